@@ -1,0 +1,1 @@
+"""ddptrain: plain-PyTorch distributed training for speech models."""

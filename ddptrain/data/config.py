@@ -1,0 +1,48 @@
+"""Configuration of the speech data pipeline (the ``data:`` section of a ddptrain config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataConfig:
+    # --- manifests (NeMo-style JSONL: audio_filepath, duration, text [, offset, speaker, lang])
+    train_manifest: str = ""  # training manifest path
+    eval_manifest: str = ""  # evaluation manifest path ("" = no evaluation data)
+    tokenizer: str = ""  # tokenizer file; "" = build a character tokenizer from train_manifest
+    unk_token: str = ""  # map unknown characters to this token; "" = unknown chars are an error
+    # --- audio and features
+    sample_rate: int = 16000  # everything is resampled to this rate
+    features: str = "fbank"  # fbank (Kaldi-compatible) | logmel | raw (waveform)
+    num_mel_bins: int = 80  # mel bins for fbank / logmel
+    normalize: str = "utterance"  # utterance | global | none (mean/variance normalisation)
+    global_stats: str = ""  # JSON with "mean"/"std" lists, for normalize=global
+    feature_device: str = "worker"  # worker (CPU, in DataLoader workers) | gpu (whole padded batch)
+    # --- augmentation (training only)
+    speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]; [] = off
+    spec_augment: bool = False  # SpecAugment time and frequency masks
+    freq_masks: int = 2  # number of frequency masks
+    freq_mask_width: int = 27  # max width of each frequency mask (bins)
+    time_masks: int = 2  # number of time masks
+    time_mask_ratio: float = 0.05  # max width of each time mask, as a fraction of the utterance
+    # --- batching (DurationBucketSampler)
+    max_duration: float = 200.0  # seconds of audio per batch (per rank)
+    max_batch_size: int = 0  # cap on utterances per batch; 0 = no cap
+    quadratic_duration: float = 0.0  # >0: cost = d + d^2/q, so long utterances get smaller batches
+    num_buckets: int = 30  # duration buckets (equal total duration per bucket)
+    shuffle: bool = True  # shuffle within buckets and across batches (seed + epoch)
+    tail: str = "duplicate"  # duplicate | drop: how to make batch counts equal across ranks
+    seed: int = 0  # sampler seed (same on every rank)
+    # --- loading
+    num_workers: int = 2  # DataLoader worker processes
+    pin_memory: bool = True  # pinned host memory for faster host-to-GPU copies
+    prefetch_factor: int = 4  # batches prefetched per worker
+    persistent_workers: bool = True  # keep workers alive between epochs
+    pad_to_multiple: int = 8  # pad time to a multiple of this (tensor cores)
+    # --- validation
+    bad_data: str = "error"  # error (list every bad line, stop) | skip (drop them, report the count)
+    validate: bool = True  # validate manifests before training
+    duration_tolerance: float = 0.1  # seconds of allowed mismatch between manifest and file header
+    output_frame_rate: float = 25.0  # model output frames per second (CTC check: text must fit)
+    max_utterance_duration: float = 0.0  # reject longer utterances; 0 = max_duration
