@@ -1,1 +1,26 @@
-"""ddptrain: plain-PyTorch distributed training for speech models."""
+"""ddptrain: plain-PyTorch distributed training for speech models.
+
+Public API: :class:`Trainer`, :class:`Config` and :func:`load_config`, :func:`setup_distributed`,
+:func:`load_weights` / :func:`save_weights`, WER/CER counting in :mod:`ddptrain.metrics`, and the
+speech data pieces in :mod:`ddptrain.data`.
+"""
+
+from ddptrain.checkpoint import CheckpointError, load_weights, save_weights
+from ddptrain.config import Config, ConfigError, load_config
+from ddptrain.dist import DistInfo
+from ddptrain.dist import setup as _setup
+from ddptrain.trainer import Trainer, TrainingError
+
+__version__ = "0.1.0"
+
+
+def setup_distributed(config: Config) -> DistInfo:
+    """Join the process group now (idempotent; the Trainer calls it too).
+
+    Call it before building rank-aware data loaders, so samplers can read the rank and world size.
+    """
+    return _setup(config.dist.backend, config.dist.timeout_s, config.trainer.device)
+
+
+__all__ = ["Trainer", "TrainingError", "Config", "ConfigError", "load_config", "setup_distributed",
+           "load_weights", "save_weights", "CheckpointError", "DistInfo"]

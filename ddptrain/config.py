@@ -180,7 +180,7 @@ def _merge(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
         raise ConfigError(f"{origin}: unknown config key '{key}' (check the spelling against "
                           f"the dataclasses in ddptrain/config.py)") from None
     except ValidationError as e:
-        raise ConfigError(f"{origin}: bad value for '{e.full_key}': {e.msg}") from None
+        raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {e}") from None
 

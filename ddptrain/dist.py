@@ -1,0 +1,141 @@
+"""Process-group set-up and the few collectives the Trainer needs.
+
+One code path for every launch mode: ``python script.py`` (one process, no process group),
+``torchrun --nproc_per_node=N`` and ``torchrun --nnodes=M --rdzv_backend=c10d ...`` (torchrun
+exports RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, we read them). A user's script
+never branches on the launch mode.
+
+Every control-flow decision (stop, skip a step, save now) goes through :func:`any_rank` so all
+ranks take the same branch; a rank that decides alone would leave the others waiting forever in
+the next collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: Optional[str]  # None when running as a single process without a process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto") -> DistInfo:
+    """Initialise the process group from torchrun's environment, or run as a single process.
+
+    Args:
+        backend: ``auto`` picks NCCL when the device is CUDA and gloo otherwise.
+        timeout_s: collective timeout. A peer that died turns into an error after this long
+            instead of an endless wait (NCCL also needs async error handling for that, which
+            torch enables by default).
+        device: ``auto`` uses ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+
+    Returns:
+        The rank, world size, local rank, device and backend of this process.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device asks for CUDA but torch.cuda.is_available() is False")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+
+    if dist.is_initialized():  # the user (or a test) set it up already: just describe it
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return DistInfo(0, 1, 0, dev, None)
+
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = dev  # eager NCCL init: errors show up here, not at the first step
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        world_size=world_size,
+        rank=rank,
+        **kwargs,
+    )
+    return DistInfo(rank, world_size, local_rank, dev, backend)
+
+
+def teardown() -> None:
+    """Destroy the process group (if we made one); safe to call twice."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: Sequence[float], device: torch.device) -> list[float]:
+    """Sum a few scalars over all ranks in one collective (float64, so counts stay exact)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is True on any rank: the collective agreement on control flow."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    if is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(obj, src: int = 0):
+    """Send a picklable object from ``src`` to all ranks (e.g. the checkpoint path to resume)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    if not is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

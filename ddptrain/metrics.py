@@ -1,0 +1,40 @@
+"""WER / CER as error *counts* that reduce correctly across batches and ranks.
+
+A corpus WER is total word errors / total reference words. Averaging per-batch (or per-rank)
+WERs weights short utterances too heavily, so everything here returns ``(errors, ref_length)``
+pairs; the Trainer sums numerators and denominators over all batches and ranks and divides once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def edit_distance(ref: Sequence, hyp: Sequence) -> int:
+    """Levenshtein distance (substitutions + deletions + insertions), O(len(ref) * len(hyp))."""
+    if len(ref) < len(hyp):
+        ref, hyp = hyp, ref
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1]
+
+
+def word_errors(refs: Sequence[str], hyps: Sequence[str]) -> tuple[int, int]:
+    """``(word errors, reference words)`` summed over utterance pairs."""
+    if len(refs) != len(hyps):
+        raise ValueError(f"{len(refs)} references but {len(hyps)} hypotheses")
+    errs = sum(edit_distance(r.split(), h.split()) for r, h in zip(refs, hyps))
+    return errs, sum(len(r.split()) for r in refs)
+
+
+def char_errors(refs: Sequence[str], hyps: Sequence[str]) -> tuple[int, int]:
+    """``(character errors, reference characters)``; spaces count, runs of spaces collapse."""
+    if len(refs) != len(hyps):
+        raise ValueError(f"{len(refs)} references but {len(hyps)} hypotheses")
+    norm = lambda s: " ".join(s.split())  # noqa: E731
+    errs = sum(edit_distance(norm(r), norm(h)) for r, h in zip(refs, hyps))
+    return errs, sum(len(norm(r)) for r in refs)

@@ -1,0 +1,124 @@
+"""Optimizers (plain or ZeRO-sharded) and learning-rate schedules, built from config.
+
+Weight decay goes on weight matrices only: decaying biases and norm gains pulls them toward zero
+for no benefit and measurably hurts fine-tuning, so they get their own group with decay 0.
+
+``optim.zero: true`` wraps the same optimizer class in
+``torch.distributed.optim.ZeroRedundancyOptimizer``: each rank keeps the optimizer state
+(Adam's two moments: 8 bytes/parameter) for 1/N of the parameters and broadcasts its updated
+shard after the step. Gradients are still all-reduced by DDP, so every rank sees the full, true
+gradient: clipping by global norm and the GradScaler's inf check need no extra collective.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ddptrain.config import OptimConfig, SchedulerConfig
+
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
+if hasattr(nn, "RMSNorm"):
+    _NORM_TYPES = _NORM_TYPES + (nn.RMSNorm,)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups.
+
+    No decay for: biases, parameters of normalisation layers (by type, or any module whose class
+    name ends in "Norm" so third-party norms are covered), and any other 0/1-D parameter.
+    """
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        is_norm = isinstance(module, _NORM_TYPES) or type(module).__name__.lower().endswith("norm")
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if is_norm or name.endswith("bias") or p.ndim <= 1:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer the config names, optionally ZeRO-sharded over the process group.
+
+    Args:
+        model: the (unwrapped) model; only parameters with ``requires_grad`` are optimised.
+        cfg: the ``optim`` config section.
+        device: training device; fused Adam kernels are used on CUDA when ``fused: auto``.
+
+    Raises:
+        ValueError: no trainable parameters.
+    """
+    groups = param_groups(model, cfg.weight_decay)
+    if not groups:
+        raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
+    name = cfg.name.lower()
+    if name in ("adamw", "adam"):
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
+        kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+        if not fused:
+            kwargs["foreach"] = True  # one multi-tensor kernel per group instead of a loop over params
+    elif name == "sgd":
+        cls = torch.optim.SGD
+        kwargs = dict(lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    else:
+        raise ValueError(f"optim.name={cfg.name!r} is not one of adamw, adam, sgd")
+
+    if cfg.zero and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+    return cls(groups, **kwargs)
+
+
+def is_zero(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def lr_lambda(cfg: SchedulerConfig, total_steps: int) -> Callable[[int], float]:
+    """The LR multiplier (of ``optim.lr``) for the optimizer step with index ``step`` (0-based).
+
+    - constant: 1 after the warmup.
+    - warmup_cosine / warmup_linear: linear warmup, then decay to ``min_lr_ratio`` over
+      ``decay_steps`` (default: the rest of the run).
+    - noam / inverse_sqrt: linear warmup, then ``sqrt(warmup / step)``. This is the Noam
+      schedule of the Transformer paper (and fairseq's inverse_sqrt) normalised so that its peak
+      equals ``optim.lr`` instead of ``d_model**-0.5 * factor``; the two names give one curve.
+    """
+    warmup = max(0, cfg.warmup_steps)
+    decay = cfg.decay_steps if cfg.decay_steps > 0 else max(1, total_steps - warmup)
+    floor = cfg.min_lr_ratio
+    name = cfg.name
+
+    def fn(step: int) -> float:
+        s = step + 1  # the step about to be taken, 1-based: the first warmup step has a non-zero LR
+        if warmup and s <= warmup:
+            return s / warmup
+        if name == "constant":
+            return 1.0
+        if name in ("noam", "inverse_sqrt"):
+            return math.sqrt(max(warmup, 1) / s)
+        progress = min(1.0, (s - warmup) / decay)
+        if name == "warmup_cosine":
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if name == "warmup_linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        raise ValueError(f"scheduler.name={name!r} is not a known schedule")
+
+    return fn
+
+
+def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over :func:`lr_lambda`. The Trainer steps it only when the optimizer stepped."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))

@@ -1,0 +1,456 @@
+"""The Trainer: one DDP training loop you can read top to bottom.
+
+Launch the same script any of these ways, with no code change::
+
+    python train.py --config cfg.yaml                                 # one process (CPU or 1 GPU)
+    torchrun --nproc_per_node=4 train.py --config cfg.yaml            # one node, 4 processes
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
+             --rdzv_endpoint=HOST:29500 train.py --config cfg.yaml     # two nodes
+
+The loss contract (see DESIGN.md): ``loss_fn(model, batch) -> (loss_sum, num_units)``. The
+loss is a *sum* over units (frames, tokens, utterances); the Trainer divides the gradient by the
+global unit count of the whole optimizer step (all micro-batches, all ranks), so 1 GPU with
+accumulation 4 and 4 GPUs without accumulation produce the same update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddptrain import checkpoint as ckpt
+from ddptrain import dist
+from ddptrain.config import Config, to_yaml
+from ddptrain.logging import RunLogger
+from ddptrain.optim import build_optimizer, build_scheduler, is_zero
+from ddptrain.precision import Precision
+
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
+MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (non-finite losses, loss-scale collapse, ...)."""
+
+
+class Trainer:
+    """Trains any ``nn.Module`` with DDP, AMP, accumulation, clipping and checkpoint/resume.
+
+    Args:
+        model: the model (built by the user; moved to the device and wrapped in DDP here).
+        loss_fn: ``(model, batch) -> (loss_sum, num_units)``; called under autocast.
+        config: a :class:`ddptrain.Config` (or a subclass with extra sections).
+        train_data: a DataLoader (or any re-iterable with ``len``). If its ``batch_sampler``
+            has ``set_epoch/state_dict/load_state_dict`` (e.g. ``DurationBucketSampler``), a
+            mid-epoch resume is O(1); otherwise consumed batches are skipped by iterating.
+        eval_data: optional evaluation loader (each rank evaluates its own shard).
+        metrics_fn: optional ``(model, batch) -> {name: (numerator, denominator)}`` for eval
+            metrics such as WER = (word errors, reference words).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, config: Config, train_data: Iterable,
+                 eval_data: Optional[Iterable] = None, metrics_fn: Optional[MetricsFn] = None):
+        self.cfg, self.loss_fn, self.metrics_fn = config, loss_fn, metrics_fn
+        self.train_data, self.eval_data = train_data, eval_data
+        t = config.trainer
+        self.info = dist.setup(config.dist.backend, config.dist.timeout_s, t.device)
+        self.device = self.info.device
+        torch.manual_seed(t.seed + self.info.rank)  # dropout differs per rank; DDP syncs the init
+        torch.use_deterministic_algorithms(t.deterministic)
+
+        self.ckpt_root = ckpt.checkpoint_root(t.output_dir)
+        error = None
+        try:  # every rank checks: on several nodes each writes its own rank files
+            ckpt.check_writable(self.ckpt_root, config.checkpoint.min_free_gb)
+        except ckpt.CheckpointError as e:
+            error = e
+        if dist.any_rank(error is not None, self.device):
+            raise error or ckpt.CheckpointError(f"another rank cannot write to {self.ckpt_root}")
+
+        model = model.to(self.device)
+        self.recomputed: list[str] = []
+        if config.recompute.enabled:
+            from ddptrain.recompute import apply_recompute
+
+            self.recomputed = apply_recompute(model, config.recompute)
+        self.module = model
+        self.model = self._wrap_ddp(model) if self.info.distributed else model
+        self.optimizer = build_optimizer(model, config.optim, self.device)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
+
+        self.batches_per_epoch = len(train_data)
+        if self.batches_per_epoch == 0:
+            raise ValueError("train_data is empty on rank %d" % self.info.rank)
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / t.grad_accum_steps)
+        self.total_steps = t.max_steps if t.max_steps > 0 else t.max_epochs * self.steps_per_epoch
+        self.scheduler = build_scheduler(self.optimizer, config.scheduler, self.total_steps)
+
+        self.step = 0  # optimizer steps attempted (skipped ones included: their data is consumed)
+        self.epoch = 0
+        self.batches_done = 0  # batches of the current epoch consumed, for mid-epoch resume
+        self.unit_scale = 1.0  # loss pre-scale (1 / units per micro-batch last step): keeps fp16 in range
+        self.nonfinite_in_row = 0
+        self.skipped_steps = 0
+        self.last_eval: dict = {}
+        self._preempted = False
+        self._resume_rng: Optional[dict] = None
+        self._resume()
+        self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main, self.total_steps, self.step)
+        if self.info.is_main:
+            with open(os.path.join(t.output_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(config))
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        """Train until ``max_steps`` / ``max_epochs``; evaluate and checkpoint on schedule.
+
+        Returns:
+            The last evaluation metrics (empty if there is no eval data).
+
+        Raises:
+            SystemExit: with ``trainer.preempt_exit_code`` after a preemption signal and save.
+        """
+        t, c = self.cfg.trainer, self.cfg.checkpoint
+        handlers = self._install_signal_handlers(t.preempt_signals)
+        window = {"loss": 0.0, "units": 0.0, "time": time.perf_counter(), "wait": 0.0, "steps": 0}
+        try:
+            while self.step < self.total_steps:
+                batches = self._epoch_iterator()
+                epoch_ended = False
+                while self.step < self.total_steps:
+                    tic = time.perf_counter()
+                    micro = [b for _, b in zip(range(t.grad_accum_steps), batches)]
+                    window["wait"] += time.perf_counter() - tic  # time the loop waited for data
+                    if not micro:
+                        epoch_ended = True
+                        break
+                    out = self.train_step(micro)
+                    self.step += 1
+                    self.batches_done += len(micro)
+                    window["loss"] += out["loss_sum"]
+                    window["units"] += out["units"]
+                    window["steps"] += 1
+                    self.logger.advance(1, {"loss": out["loss_sum"] / max(out["units"], 1e-9)})
+
+                    if self.step % self.cfg.logging.log_every == 0 or self.step == self.total_steps:
+                        self._log_train(window, out)
+                    if self.eval_data is not None and t.eval_every > 0 and self.step % t.eval_every == 0:
+                        self.evaluate()
+                    if out["preempt"]:  # agreed by all ranks inside train_step's all-reduce
+                        self._preempted = True
+                        break
+                    if c.every_steps > 0 and self.step % c.every_steps == 0:
+                        self.save()
+                if self._preempted:
+                    break
+                if epoch_ended or self.batches_done >= self.batches_per_epoch:
+                    self.epoch, self.batches_done = self.epoch + 1, 0
+            if self._preempted:
+                self.logger.print(f"preemption signal: saving at step {self.step} and exiting")
+                self.save()
+                raise SystemExit(t.preempt_exit_code)
+            if self.eval_data is not None and (t.eval_every <= 0 or self.step % t.eval_every != 0):
+                self.evaluate()
+            if c.save_at_end:
+                self.save()
+            return self.last_eval
+        finally:
+            self._restore_signal_handlers(handlers)
+            self.logger.close()
+
+    def train_step(self, micro_batches: list) -> dict:
+        """One optimizer step over this rank's micro-batches; collective with all ranks."""
+        self.model.train()
+        loss_acc = torch.zeros((), dtype=torch.float64, device=self.device)
+        units_acc = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(micro_batches):
+            batch = _to_device(batch, self.device)
+            # all-reduce the gradients only on the last micro-batch: earlier ones just accumulate
+            sync = i == len(micro_batches) - 1 or not self.info.distributed
+            with (contextlib.nullcontext() if sync else self.model.no_sync()):
+                try:
+                    with self.precision.autocast():
+                        loss_sum, units = self.loss_fn(self.model, batch)
+                    self.precision.scale(loss_sum.float() * self.unit_scale).backward()
+                except Exception as e:
+                    raise RuntimeError(f"rank {self.info.rank}, step {self.step + 1}, micro-batch {i}: "
+                                       f"{type(e).__name__}: {e}{_batch_ids(batch)}") from e
+            loss_acc += loss_sum.detach().double()
+            units_acc += torch.as_tensor(units, device=self.device).double()
+
+        # One small all-reduce: global loss sum, global unit count, and the preemption flag.
+        flags = torch.stack([loss_acc, units_acc, torch.tensor(float(self._stop_requested), dtype=torch.float64,
+                                                               device=self.device)])
+        if self.info.distributed:
+            torch.distributed.all_reduce(flags)
+        loss_sum, units, preempt = flags.tolist()
+
+        # DDP averaged the per-rank gradients of (unit_scale * loss_sum); the true gradient of the
+        # step is sum_over_ranks(grad of loss_sum) / global_units.
+        self.precision.unscale_(self.optimizer)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        factor = self.info.world_size / (max(units, 1e-12) * self.unit_scale)
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True).item() * factor if grads else 0.0
+        finite = math.isfinite(norm) and math.isfinite(loss_sum) and units > 0
+        clip = self.cfg.trainer.clip_grad_norm
+        if finite and clip > 0 and norm > clip:
+            factor *= clip / (norm + 1e-6)
+        if finite and grads:
+            torch._foreach_mul_(grads, factor)
+        stepped = False
+        if finite:
+            stepped = self.precision.step(self.optimizer)  # fp16: False if the scaler skipped it
+        else:
+            self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
+        if stepped:
+            self.scheduler.step()  # the schedule only advances with real updates
+        self.optimizer.zero_grad(set_to_none=True)
+        self._check_nonfinite(norm, stepped, loss_sum, micro_batches)
+        if units > 0:
+            self.unit_scale = self.info.world_size * len(micro_batches) / units
+        return {"loss_sum": loss_sum, "units": units, "grad_norm": norm, "stepped": stepped,
+                "preempt": preempt > 0}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss per unit and user metrics over the whole eval set, reduced as sums over ranks.
+
+        Uses the unwrapped module: DDP's forward may run collectives (buffer broadcast), and
+        ranks may hold different numbers of eval batches.
+        """
+        self.module.eval()
+        sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
+        for batch in self.eval_data:
+            batch = _to_device(batch, self.device)
+            with self.precision.autocast():
+                loss_sum, units = self.loss_fn(self.module, batch)
+                extra = self.metrics_fn(self.module, batch) if self.metrics_fn else {}
+            sums["loss"][0] += float(loss_sum)
+            sums["loss"][1] += float(units)
+            for k, (num, den) in extra.items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += float(num)
+                acc[1] += float(den)
+        # the same names in the same order on every rank, even one that had no eval batches
+        names = sorted(set().union(*dist.all_gather_object(sorted(sums))))
+        flat = dist.all_reduce_sum([v for k in names for v in sums.get(k, [0.0, 0.0])], self.device)
+        self.last_eval = {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")
+                          for i, k in enumerate(names)}
+        self.last_eval_step = self.step
+        self.logger.log(self.step, self.last_eval, prefix="eval")
+        return self.last_eval
+
+    # ------------------------------------------------------------------ checkpointing
+
+    def save(self) -> str:
+        """Collective save of the complete training state (see :mod:`ddptrain.checkpoint`)."""
+        c = self.cfg.checkpoint
+        sampler = self._stateful_sampler()
+        sampler_state = None
+        if sampler is not None:
+            sampler_state = sampler.state_dict()
+            # the DataLoader prefetches, so the sampler's own counter runs ahead of the loop
+            sampler_state["position"] = self.batches_done
+            sampler_state["epoch"] = self.epoch
+        zero = is_zero(self.optimizer)
+        trainer_state = {
+            "optimizer": None if zero else self.optimizer.state_dict(),
+            "zero_param_groups": _param_group_hparams(self.optimizer) if zero else None,
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "counters": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
+                         "unit_scale": self.unit_scale, "skipped_steps": self.skipped_steps},
+        }
+        rank_state = {"rng": ckpt.rng_state(), "sampler": sampler_state}
+        shard = self.optimizer.optim.state_dict() if zero else None
+        metrics = self.last_eval if getattr(self, "last_eval_step", None) == self.step else {}
+        meta = {"epoch": self.epoch, "world_size": self.info.world_size, "zero": zero,
+                "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
+        path = ckpt.save_checkpoint(self.ckpt_root, self.step, self.module, trainer_state, rank_state,
+                                    shard, meta, self.device)
+        if self.info.is_main:
+            ckpt.prune(self.ckpt_root, c.keep_last, c.keep_best, c.best_metric, c.best_mode)
+            self.logger.print(f"saved {path}")
+        dist.barrier()
+        return path
+
+    def _resume(self) -> None:
+        want = self.cfg.checkpoint.resume
+        if want in ("", "none"):
+            return
+        path = dist.broadcast_object(ckpt.find_latest(self.ckpt_root) if want == "auto" else want)
+        if path is None:
+            return  # resume: auto on a fresh run folder starts from scratch
+        state = ckpt.load_checkpoint(path, self.info.world_size, self.info.rank)
+        ckpt.load_weights(self.module, path, strict=True)
+        tr = state["trainer"]
+        if is_zero(self.optimizer):
+            if state["optimizer_shard"] is None:
+                raise ckpt.CheckpointError(f"{path} has no ZeRO optimizer shards; it was saved with optim.zero=false")
+            self.optimizer.optim.load_state_dict(state["optimizer_shard"])
+            for group, saved in zip(self.optimizer.param_groups, tr["zero_param_groups"]):
+                group.update(saved)
+        else:
+            if tr["optimizer"] is None:
+                raise ckpt.CheckpointError(f"{path} holds ZeRO shards; set optim.zero=true to resume it")
+            self.optimizer.load_state_dict(tr["optimizer"])
+        self.scheduler.load_state_dict(tr["scheduler"])
+        self.precision.load_state_dict(tr["precision"])
+        counters = tr["counters"]
+        self.step, self.epoch, self.batches_done = counters["step"], counters["epoch"], counters["batches_done"]
+        self.unit_scale, self.skipped_steps = counters["unit_scale"], counters["skipped_steps"]
+        if self.batches_done >= self.batches_per_epoch:
+            self.epoch, self.batches_done = self.epoch + 1, 0
+        sampler = self._stateful_sampler()
+        if sampler is not None and state["rank"]["sampler"] is not None:
+            saved = dict(state["rank"]["sampler"], epoch=self.epoch, position=self.batches_done)
+            sampler.load_state_dict(saved)
+        # RNG is restored after the first DataLoader iterator exists: creating one draws a seed
+        self._resume_rng = state["rank"]["rng"]
+        if self.info.is_main:
+            print(f"resumed from {path} at step {self.step} (epoch {self.epoch}, batch {self.batches_done})")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _wrap_ddp(self, model: nn.Module) -> DDP:
+        d = self.cfg.dist
+        ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                  bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
+                  find_unused_parameters=d.find_unused_parameters, broadcast_buffers=d.broadcast_buffers)
+        if d.comm_hook != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook
+            ddp.register_comm_hook(state=None, hook=hook)
+        return ddp
+
+    def _stateful_sampler(self):
+        bs = getattr(self.train_data, "batch_sampler", None)
+        if bs is not None and all(hasattr(bs, m) for m in ("state_dict", "load_state_dict", "set_epoch")):
+            return bs
+        return None
+
+    def _epoch_iterator(self) -> Iterator:
+        """This epoch's batches, starting after the ones already consumed (on resume)."""
+        sampler = self._stateful_sampler()
+        plain = getattr(self.train_data, "sampler", None)
+        if sampler is not None:
+            if self.batches_done == 0:
+                sampler.set_epoch(self.epoch)
+            it = iter(self.train_data)  # a resumed stateful sampler starts at its saved position
+        else:
+            if hasattr(plain, "set_epoch"):
+                plain.set_epoch(self.epoch)
+            it = iter(self.train_data)
+            for _ in range(self.batches_done):  # generic loaders: skip what was consumed (O(k))
+                next(it)
+        if self._resume_rng is not None:
+            ckpt.set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        return it
+
+    def _check_nonfinite(self, norm: float, stepped: bool, loss_sum: float, micro_batches: list) -> None:
+        """Count skipped steps; abort on N non-finite steps in a row or on fp16 scale collapse.
+
+        Under fp16 an overflowed *gradient* is routine (the scaler halves its scale and skips the
+        step), so only a non-finite *loss* counts toward the abort; a scale that keeps falling is
+        caught by ``fp16_min_scale`` instead.
+        """
+        t = self.cfg.trainer
+        if not stepped:
+            self.skipped_steps += 1
+        bad = not math.isfinite(loss_sum) or (self.precision.mode != "fp16" and not math.isfinite(norm))
+        if not bad:
+            self.nonfinite_in_row = 0
+        else:
+            self.nonfinite_in_row += 1
+            ids = "".join(_batch_ids(b) for b in micro_batches)
+            self.logger.print(f"step {self.step + 1}: non-finite loss/gradient, step skipped on all ranks "
+                              f"({self.nonfinite_in_row} in a row){ids}")
+        if self.nonfinite_in_row >= t.max_nonfinite_steps:
+            raise TrainingError(f"{self.nonfinite_in_row} consecutive non-finite steps (limit "
+                                f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}) at step {self.step + 1}; "
+                                f"last complete checkpoint: {ckpt.find_latest(self.ckpt_root)}")
+        if self.precision.mode == "fp16" and self.precision.loss_scale() < t.fp16_min_scale:
+            raise TrainingError(f"fp16 loss scale collapsed to {self.precision.loss_scale():.3g} (< "
+                                f"trainer.fp16_min_scale={t.fp16_min_scale}) at step {self.step + 1}: the "
+                                "gradients overflow even unscaled; try bf16 or a lower learning rate")
+
+    def _log_train(self, window: dict, out: dict) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - window["time"], 1e-9)
+        scalars = {
+            "loss": window["loss"] / max(window["units"], 1e-12),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": out["grad_norm"],
+            "loss_scale": self.precision.loss_scale(),
+            "steps_per_s": window["steps"] / elapsed,
+            "units_per_s": window["units"] / elapsed,
+            "data_wait_frac": window["wait"] / elapsed,
+            "skipped_steps": self.skipped_steps,
+            "epoch": self.epoch,
+        }
+        if self.device.type == "cuda":
+            scalars["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        sampler = self._stateful_sampler()
+        if sampler is not None and hasattr(sampler, "epoch_stats"):
+            for k, v in sampler.epoch_stats().items():
+                if isinstance(v, (int, float)):
+                    scalars[f"data_{k}"] = v
+        self.logger.log(self.step, scalars)
+        window.update(loss=0.0, units=0.0, time=now, wait=0.0, steps=0)
+
+    @property
+    def _stop_requested(self) -> bool:
+        return getattr(self, "_signal_received", False)
+
+    def _install_signal_handlers(self, names: list[str]) -> dict:
+        """Preemption signals only set a flag; the ranks agree on it at the next step boundary."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        old = {}
+        for name in names:
+            sig = getattr(signal, name, None)
+            if sig is None:
+                raise ValueError(f"trainer.preempt_signals: unknown signal {name!r}")
+            old[sig] = signal.signal(sig, lambda signum, frame: setattr(self, "_signal_received", True))
+        return old
+
+    @staticmethod
+    def _restore_signal_handlers(old: dict) -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not (batch and isinstance(batch[0], str)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _batch_ids(batch: Any) -> str:
+    ids = batch.get("ids") if isinstance(batch, dict) else None
+    if not ids:
+        return ""
+    shown = list(ids[:10])
+    return f" [utterances: {', '.join(map(str, shown))}{' ...' if len(ids) > 10 else ''}]"
+
+
+def _param_group_hparams(optimizer) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

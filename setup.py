@@ -1,0 +1,25 @@
+"""ddptrain: plain-PyTorch distributed training and fine-tuning for speech models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="ddptrain",
+    version="0.1.0",
+    description="Plain-PyTorch DDP training loop for speech models: AMP, checkpointing, ZeRO, bucketing",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["ddptrain", "ddptrain.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.11.0",
+        "torchaudio==2.11.0",
+        "numpy",
+        "soundfile",
+        "safetensors",
+        "tensorboard",
+        "omegaconf>=2.3",
+        "tqdm",
+    ],
+    extras_require={"dev": ["pytest", "pytest-timeout"]},
+    license="Apache-2.0",
+)

@@ -1,0 +1,51 @@
+"""Run a function in N local processes (gloo, CPU) with a hard timeout.
+
+Why not plain ``mp.spawn``: its ``join()`` waits forever if one rank hangs in a collective. Here
+a hang becomes a test failure after ``timeout`` seconds, and a failure on one rank terminates
+every rank at once (``ProcessContext.join`` does that when a process dies with an error).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 90.0) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes; raise on error or timeout.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    """
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{world_size}-rank job did not finish within {timeout}s (hang?)")
