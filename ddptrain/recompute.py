@@ -1,0 +1,330 @@
+"""Hand-written activation (gradient) checkpointing and the policy that applies it to a model.
+
+Why recompute: in a speech encoder most training memory is activations saved for backward
+(every attention score, FFN hidden and norm input of every layer). Keeping only each layer's
+*input* and re-running the layer's forward when backward reaches it trades ~1/3 more compute for
+memory that no longer grows with depth, which buys longer utterances or bigger batches.
+
+How (the saved-tensors-hooks design of torch's non-reentrant checkpoint, written out here so it is
+readable and ours):
+
+1. Forward runs once, normally, under :func:`torch.autograd.graph.saved_tensors_hooks`. Whenever
+   autograd wants to save a tensor for backward, the pack hook stores an index instead.
+2. The first time backward unpacks one of those indices, the region is re-run under the RNG and
+   autocast state of the original forward, and the pack hook of *that* run captures the saved
+   tensors in order. Index ``i`` of the recomputation is index ``i`` of the original forward.
+3. Each recomputed tensor is handed out once and then dropped, so recomputed memory is freed as
+   backward consumes it.
+
+The autograd graph is the original one: there is no second backward and no extra autograd
+Function around the region, so parameters get their gradient exactly once (DDP's hooks see
+nothing unusual, no_sync works), inputs need not require grad, keyword arguments are fine and any
+output structure (tuple, dict, ``ModelOutput``) passes through untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # only its attributes are read; keeps this module free of the YAML stack
+    from ddptrain.config import RecomputeConfig
+
+__all__ = ["checkpoint", "apply_recompute", "remove_recompute", "SavedBytes", "saved_activation_bytes"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class _StopRecompute(Exception):
+    """Raised inside the recomputation once every needed tensor is captured (skips the rest)."""
+
+
+class _Handle:
+    """What autograd holds instead of a saved tensor. Weakly tracked: a dead handle means the
+    graph node that saved it is gone, so its tensor need not be kept when recomputing."""
+
+    __slots__ = ("idx", "__weakref__")
+
+    def __init__(self, idx: int):
+        self.idx = idx
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Keeps the region's tensor inputs as ordinary saved tensors of a node that is never run.
+
+    Saving them through autograd (not a Python list) means an in-place change to an input between
+    forward and backward raises autograd's usual "modified by an inplace operation" error instead
+    of silently recomputing from wrong values, and outer saved-tensor hooks (e.g.
+    :class:`SavedBytes`) see them, because they *are* what checkpointing keeps in memory.
+    """
+
+    @staticmethod
+    def forward(ctx, dummy, *tensors):
+        ctx.save_for_backward(*tensors)
+        return torch.empty((0,))
+
+    @staticmethod
+    def backward(ctx, *grads):  # never reached: the output is not used by anything
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+class _Frame:
+    """State of one checkpointed call: its inputs, RNG/autocast state and saved-tensor handles."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn = fn
+        self.kwarg_names = list(kwargs)
+        flat = list(args) + list(kwargs.values())
+        self.num_args = len(args)
+        self.tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        self.others = [None if isinstance(a, torch.Tensor) else a for a in flat]
+        dummy = torch.empty((0,), requires_grad=True)  # forces a grad_fn even if no input needs grad
+        self.saver = _SaveInputs.apply(dummy, *(flat[i] for i in self.tensor_pos))
+        # RNG: dropout must draw the same mask again. CUDA only if it is already initialised (a
+        # CPU run must not create a CUDA context), and only for devices this region can touch.
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_devices: list[int] = []
+        if torch.cuda.is_initialized():
+            devs = {torch.cuda.current_device()}
+            devs |= {flat[i].device.index for i in self.tensor_pos if flat[i].is_cuda}
+            self.cuda_devices = sorted(devs)
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        # Autocast is thread-local and backward usually runs outside it (or on another thread).
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in _AUTOCAST_DEVICES]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.handles: list[weakref.ref] = []
+        self.meta: list[tuple] = []  # (shape, dtype, device) per saved tensor: detects divergence
+        self.stores: dict[int, dict[int, torch.Tensor]] = {}  # graph task id -> idx -> tensor
+
+    def pack(self, t: torch.Tensor) -> _Handle:
+        handle = _Handle(len(self.meta))
+        self.handles.append(weakref.ref(handle))
+        self.meta.append((t.shape, t.dtype, t.device))
+        return handle
+
+    def unpack(self, handle: _Handle) -> torch.Tensor:
+        # One recomputation per backward pass (graph task): a second backward through a retained
+        # graph recomputes again rather than reusing tensors the first one already consumed.
+        gid = torch._C._current_graph_task_id()
+        store = self.stores.get(gid)
+        if store is None or handle.idx not in store:
+            store = self.stores[gid] = self._recompute()
+        tensor = store.pop(handle.idx)
+        if not store:
+            del self.stores[gid]
+        return tensor
+
+    def _inputs(self) -> tuple[tuple, dict]:
+        flat = list(self.others)
+        for pos, t in zip(self.tensor_pos, self.saver.grad_fn.saved_tensors):
+            flat[pos] = t
+        kwargs = dict(zip(self.kwarg_names, flat[self.num_args:]))
+        return tuple(flat[: self.num_args]), kwargs
+
+    def _recompute(self) -> dict[int, torch.Tensor]:
+        args, kwargs = self._inputs()
+        captured: list[torch.Tensor] = []
+        wanted = len(self.meta)
+
+        def capture(t: torch.Tensor) -> torch.Tensor:
+            # detach: hand back values only; keeping the recomputed graph would hold its memory.
+            captured.append(t.detach())
+            if len(captured) == wanted:
+                raise _StopRecompute  # the rest of the forward saves nothing we need
+            return captured[-1]
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices, device_type="cuda"))
+            torch.set_rng_state(self.cpu_rng)
+            for dev, state in zip(self.cuda_devices, self.cuda_rng):
+                torch.cuda.set_rng_state(state, dev)
+            for dev, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t))
+            try:
+                self.fn(*args, **kwargs)
+            except _StopRecompute:
+                pass
+        if len(captured) != wanted:
+            raise RuntimeError(
+                f"recompute: the recomputed forward saved {len(captured)} tensors for backward but "
+                f"the original saved {wanted}. The checkpointed function must take the same path "
+                "both times: no data-dependent branches on state that changes between forward and "
+                "backward (module attributes, global flags, torch.is_grad_enabled()).")
+        for i, (t, (shape, dtype, device)) in enumerate(zip(captured, self.meta)):
+            if (t.shape, t.dtype, t.device) != (shape, dtype, device):
+                raise RuntimeError(
+                    f"recompute: saved tensor #{i} was {tuple(shape)} {dtype} on {device} in forward "
+                    f"but {tuple(t.shape)} {t.dtype} on {t.device} when recomputed (different "
+                    "autocast/precision or control flow between forward and backward?)")
+        return {i: t for i, t in enumerate(captured) if self.handles[i]() is not None}
+
+
+def checkpoint(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` keeping only its inputs for backward; recompute the rest.
+
+    Under ``torch.no_grad()`` / inference nothing is saved anyway, so this is a plain call.
+
+    Args:
+        fn: the region to checkpoint. Must be deterministic given its inputs, the RNG state and
+            the autocast state (all three are replayed), and must not change its control flow
+            between forward and backward.
+        *args: positional arguments for ``fn``; tensors among them need not require grad.
+        **kwargs: keyword arguments for ``fn``.
+
+    Returns:
+        Whatever ``fn`` returns (any structure; it is not wrapped).
+
+    Raises:
+        RuntimeError: in backward, if the recomputation saved different tensors than the forward.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    frame = _Frame(fn, args, kwargs)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        return fn(*args, **kwargs)
+
+
+class _RecomputeForward:
+    """Instance-level ``forward`` routing a module's call through :func:`checkpoint`.
+
+    A callable object rather than a closure so ``copy.deepcopy(model)`` (EMA copies) gets a
+    wrapper pointing at the copy, not at the original module.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = type(self.module).forward.__get__(self.module)
+        if self.module.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, **kwargs)
+        return forward(*args, **kwargs)  # eval / no_grad: nothing to save, nothing to recompute
+
+
+def _has_forward(module: nn.Module) -> bool:
+    # Containers (ModuleList, ModuleDict) are never called; wrapping one would hide its children.
+    return type(module).forward is not nn.Module.forward
+
+
+def apply_recompute(model: nn.Module, cfg: "RecomputeConfig") -> list[str]:
+    """Checkpoint the submodules of ``model`` selected by ``cfg``, in place.
+
+    Only the instance's ``forward`` is replaced, so parameter names, ``state_dict()`` keys and
+    module hooks are unchanged and saved weights load into an un-wrapped model. Apply it to the
+    bare model *before* wrapping it in DDP (names then have no ``module.`` prefix).
+
+    A module matches if its class name is in ``cfg.module_classes`` or its dotted name matches
+    one of ``cfg.name_globs`` (fnmatch; ``*`` also crosses dots). Matches nested inside another
+    match are skipped (recomputing the outer one already covers them); of the remaining matches,
+    in registration order, indices 0, k, 2k, ... are wrapped for ``every_k = k``.
+
+    Args:
+        model: the model to modify.
+        cfg: which modules to wrap; nothing is done if ``cfg.enabled`` is false.
+
+    Returns:
+        The dotted names of the wrapped modules.
+
+    Raises:
+        ValueError: ``every_k < 1``, the model is already wrapped, or nothing matched (the
+            message names the patterns and some class names that do exist in the model).
+    """
+    if not cfg.enabled:
+        return []
+    if cfg.every_k < 1:
+        raise ValueError(f"recompute.every_k must be >= 1, got {cfg.every_k}")
+    if any(isinstance(m.__dict__.get("forward"), _RecomputeForward) for m in model.modules()):
+        raise ValueError("model already has recompute applied; call remove_recompute() first")
+    classes, globs = set(cfg.module_classes), list(cfg.name_globs)
+    matched: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not _has_forward(module) or any(name.startswith(p + ".") or p == "" for p, _ in matched):
+            continue
+        if type(module).__name__ in classes or any(fnmatch.fnmatchcase(name, g) for g in globs):
+            matched.append((name, module))
+    if not matched:
+        present = sorted({type(m).__name__ for m in model.modules()})[:20]
+        raise ValueError(f"recompute is enabled but no module matched module_classes={sorted(classes)} "
+                         f"name_globs={globs}; class names in this model include {present}")
+    chosen = matched[:: cfg.every_k]
+    for _, module in chosen:
+        module.forward = _RecomputeForward(module)
+    return [name for name, _ in chosen]
+
+
+def remove_recompute(model: nn.Module) -> list[str]:
+    """Undo :func:`apply_recompute`: restore the class ``forward`` of every wrapped module.
+
+    Args:
+        model: a model previously passed to :func:`apply_recompute` (anything else is a no-op).
+
+    Returns:
+        The dotted names of the modules that were unwrapped.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module.__dict__.get("forward"), _RecomputeForward):
+            del module.__dict__["forward"]
+            names.append(name)
+    return names
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager counting the bytes autograd saves for backward inside it.
+
+    Storages are counted once however many views of them are saved (a layer's output saved by the
+    next layer's norm and its residual add costs memory once). Saved tensors are kept referenced
+    until the context exits, so a freed storage's address cannot be reused and be miscounted.
+    Inside a :func:`checkpoint` region only what the checkpoint keeps (its inputs) is counted,
+    which is exactly the memory that stays alive.
+
+    Args:
+        ignore: tensors whose storages are not counted, typically ``model.parameters()``
+            (weights are saved by every matmul but exist whether or not we checkpoint).
+    """
+
+    def __init__(self, ignore: Iterable[torch.Tensor] = ()):
+        self.nbytes = 0
+        self._seen = {t.untyped_storage().data_ptr() for t in ignore}
+        self._keep: list[torch.Tensor] = []
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> "SavedBytes":
+        super().__enter__()
+        return self
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.nbytes += storage.nbytes()
+            self._keep.append(t)
+        return t
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._keep.clear()
+
+
+def saved_activation_bytes(fn: Callable[[], Any], ignore: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of (distinct) tensors autograd saves for backward while running ``fn()``.
+
+    Args:
+        fn: a zero-argument callable, e.g. ``lambda: model(x)``.
+        ignore: tensors not to count (see :class:`SavedBytes`).
+
+    Returns:
+        The byte count.
+    """
+    with SavedBytes(ignore) as counter:
+        fn()
+    return counter.nbytes
