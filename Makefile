@@ -1,0 +1,36 @@
+# ddptrain — every target installs what it needs first (a venv in .venv, torch/torchaudio pinned).
+PY      ?= python3
+VENV    ?= .venv
+PYBIN   := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell cat setup.py | cksum | cut -d' ' -f1)
+NPROC   ?= 2
+
+.PHONY: help install test test-fast demo minimal bench-data clean
+
+help:  ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+$(STAMP): setup.py
+	test -x $(PYBIN) || $(PY) -m venv $(VENV)
+	$(PYBIN) -m pip install -q --upgrade pip
+	$(PYBIN) -m pip install -q torch==2.11.0 torchaudio==2.11.0
+	$(PYBIN) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv with torch==2.11.0, torchaudio==2.11.0 and ddptrain (editable)
+
+test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo)
+	$(PYBIN) -m pytest -q tests
+
+demo: $(STAMP)  ## install, then run the main job: the two-stage ASR demo on the shipped data (CPU)
+	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo.yaml
+
+minimal: $(STAMP)  ## install, then run the dozen-line example under torchrun with 2 CPU processes
+	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) examples/minimal.py
+
+bench-data: $(STAMP)  ## padding / data-loading benchmarks (CPU), numbers go to BENCHMARKS.md
+	$(PYBIN) bench/bench_padding.py
+	$(PYBIN) bench/bench_dataloading.py
+
+clean:  ## remove run folders and caches (keeps .venv)
+	rm -rf runs .pytest_cache $$(find . -name __pycache__ -not -path './$(VENV)/*')

@@ -1,0 +1,292 @@
+"""Trainer equivalences (ranks vs accumulation vs big batch), exact resume, AMP and skip logic.
+
+Distributed cases run 2 gloo processes on CPU through tests/_dist.py (hard timeout, a failure on
+one rank ends all ranks). Results travel back through files in tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ddptrain
+from ddptrain import checkpoint as ckpt
+
+from _dist import run_ranks
+
+FEAT = 6
+
+
+class FrameMLP(nn.Module):
+    """Per-frame regressor over padded (B, T, F) sequences; dropout exercises RNG handling."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEAT, 16), nn.LayerNorm(16), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def frame_loss(model, batch):
+    """Sum of squared errors over valid frames; units = valid frames (the loss contract)."""
+    pred = model(batch["x"])
+    mask = torch.arange(batch["x"].shape[1])[None, :] < batch["lens"][:, None]
+    err = ((pred.float() - batch["y"]) ** 2) * mask
+    return err.sum(), mask.sum()
+
+
+def make_batch(gen: torch.Generator, n: int, max_len: int) -> dict:
+    lens = torch.randint(1, max_len + 1, (n,), generator=gen)
+    x = torch.randn(n, max_len, FEAT, generator=gen)
+    y = x.sum(-1) * 0.3 + torch.randn(n, max_len, generator=gen) * 0.1
+    return {"x": x, "y": y, "lens": lens}
+
+
+def concat(a: dict, b: dict) -> dict:
+    t = max(a["x"].shape[1], b["x"].shape[1])
+    pad = lambda v, fill=0.0: nn.functional.pad(v, (0, 0, 0, t - v.shape[1]) if v.ndim == 3 else (0, t - v.shape[1]), value=fill)  # noqa: E731
+    return {"x": torch.cat([pad(a["x"]), pad(b["x"])]), "y": torch.cat([pad(a["y"]), pad(b["y"])]),
+            "lens": torch.cat([a["lens"], b["lens"]])}
+
+
+def micro_batches(steps: int) -> list[list[dict]]:
+    """steps x 2 micro-batches with very different lengths, so normalisation errors show."""
+    gen = torch.Generator().manual_seed(123)
+    return [[make_batch(gen, 3, 4), make_batch(gen, 2, 13)] for _ in range(steps)]
+
+
+def make_cfg(tmp, *extra):
+    return ddptrain.load_config(None, [f"trainer.output_dir={tmp}", "logging.progress_bar=false",
+                                       "logging.log_every=1", "optim.lr=0.05", "optim.weight_decay=0.1",
+                                       "trainer.clip_grad_norm=0", *extra])
+
+
+def params_of(model):
+    return {k: v.detach().clone() for k, v in ckpt.unwrap(model).state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- equivalences
+
+
+def _equiv_worker(rank, world, out, steps):
+    torch.manual_seed(0)
+    model = FrameMLP()
+    data = [mb[rank] for mb in micro_batches(steps)]
+    cfg = make_cfg(os.path.join(out, "run2"), f"trainer.max_steps={steps}", "checkpoint.save_at_end=false")
+    trainer = ddptrain.Trainer(model, frame_loss, cfg, data)
+    trainer.fit()
+    if rank == 0:
+        torch.save(params_of(model), os.path.join(out, "ranks2.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_equal_one_rank_big_batch_and_accumulation(tmp_path):
+    steps = 4
+    run_ranks(_equiv_worker, 2, str(tmp_path), steps)
+    two_ranks = torch.load(tmp_path / "ranks2.pt")
+
+    torch.manual_seed(0)
+    big = FrameMLP()
+    cfg = make_cfg(tmp_path / "big", f"trainer.max_steps={steps}", "checkpoint.save_at_end=false")
+    ddptrain.Trainer(big, frame_loss, cfg, [concat(a, b) for a, b in micro_batches(steps)]).fit()
+
+    torch.manual_seed(0)
+    acc = FrameMLP()
+    cfg = make_cfg(tmp_path / "acc", f"trainer.max_steps={steps}", "trainer.grad_accum_steps=2",
+                   "checkpoint.save_at_end=false")
+    ddptrain.Trainer(acc, frame_loss, cfg, [b for mb in micro_batches(steps) for b in mb]).fit()
+
+    torch.manual_seed(0)
+    start = params_of(FrameMLP())
+    for k, v in params_of(big).items():
+        assert not torch.allclose(v, start[k]), f"{k} did not train"
+        torch.testing.assert_close(two_ranks[k], v, rtol=1e-5, atol=1e-6, msg=f"2 ranks vs big batch: {k}")
+        torch.testing.assert_close(params_of(acc)[k], v, rtol=1e-5, atol=1e-6, msg=f"accumulation vs big batch: {k}")
+
+
+def test_mean_of_means_would_differ():
+    """Guard that the test data really distinguishes global-unit normalisation from per-batch means."""
+    a, b = micro_batches(1)[0]
+    means = (a["lens"].sum().item(), b["lens"].sum().item())
+    assert means[0] != means[1]
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+class ListLoader:
+    """A re-iterable list of batches with a DistributedSampler-like set_epoch (generic path)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.epoch = 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        order = torch.randperm(len(self.batches), generator=torch.Generator().manual_seed(self.epoch))
+        return iter([self.batches[i] for i in order])
+
+    @property
+    def sampler(self):
+        return self
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+
+def _resume_worker(rank, world, out, run, resume_from):
+    torch.manual_seed(0)
+    model = FrameMLP(dropout=0.2)
+    gen = torch.Generator().manual_seed(7 + rank)
+    data = ListLoader([make_batch(gen, 2, 5 + i) for i in range(3)])
+    cfg = make_cfg(os.path.join(out, run), "trainer.max_steps=8", "trainer.grad_accum_steps=1",
+                   "checkpoint.every_steps=4", "checkpoint.keep_last=0", "scheduler.name=warmup_cosine",
+                   "scheduler.warmup_steps=2", f"checkpoint.resume={resume_from}")
+    trainer = ddptrain.Trainer(model, frame_loss, cfg, data)
+    trainer.fit()
+    torch.save({"params": params_of(model), "optim": trainer.optimizer.state_dict(),
+                "sched": trainer.scheduler.state_dict()}, os.path.join(out, f"{run}_rank{rank}.pt"))
+
+
+@pytest.mark.timeout(180)
+def test_resume_is_bitwise_identical(tmp_path):
+    """8 steps straight vs (8 steps with a save at 4) -> new processes resume from step 4."""
+    run_ranks(_resume_worker, 2, str(tmp_path), "full", "none")
+    mid = tmp_path / "full" / "checkpoints" / "step_00000004"
+    assert (mid / "COMPLETE").exists()
+    run_ranks(_resume_worker, 2, str(tmp_path), "resumed", str(mid))
+    for rank in range(2):
+        a = torch.load(tmp_path / f"full_rank{rank}.pt", weights_only=False)
+        b = torch.load(tmp_path / f"resumed_rank{rank}.pt", weights_only=False)
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), f"rank {rank} param {k} differs after resume"
+        for pid, st in a["optim"]["state"].items():
+            for name, v in st.items():
+                assert torch.equal(v, b["optim"]["state"][pid][name]), f"optimizer {pid}.{name} differs"
+        assert a["sched"]["last_epoch"] == b["sched"]["last_epoch"] == 8
+
+
+def test_resume_auto_picks_newest_complete(tmp_path):
+    cfg = make_cfg(tmp_path, "trainer.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=2")
+    data = micro_batches(3)[0] * 3
+    torch.manual_seed(0)
+    ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data).fit()
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step_00000004", "step_00000006"]  # keep_last=2
+    # a half-written newer checkpoint (no marker) and a stale temp folder must be ignored
+    (root / "step_00000099").mkdir()
+    (root / ".tmp-step_00000100").mkdir()
+    assert ckpt.find_latest(str(root)).endswith("step_00000006")
+    cfg2 = make_cfg(tmp_path, "trainer.max_steps=8", "checkpoint.resume=auto")
+    t2 = ddptrain.Trainer(FrameMLP(), frame_loss, cfg2, data)
+    assert t2.step == 6
+
+
+def test_missing_checkpoint_path_is_a_clear_error(tmp_path):
+    cfg = make_cfg(tmp_path, f"checkpoint.resume={tmp_path}/nope")
+    with pytest.raises(ckpt.CheckpointError, match="not found"):
+        ddptrain.Trainer(FrameMLP(), frame_loss, cfg, micro_batches(1)[0])
+
+
+def test_unwritable_output_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = make_cfg(blocker / "run")
+    with pytest.raises(ckpt.CheckpointError, match="not writable"):
+        ddptrain.Trainer(FrameMLP(), frame_loss, cfg, micro_batches(1)[0])
+
+
+# ----------------------------------------------------------------------------- precision and skips
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_precisions_train_on_cpu(tmp_path, precision):
+    torch.manual_seed(0)
+    model = FrameMLP()
+    data = [b for mb in micro_batches(4) for b in mb]
+    cfg = make_cfg(tmp_path, f"trainer.precision={precision}", "trainer.max_epochs=3", "optim.lr=0.01")
+    trainer = ddptrain.Trainer(model, frame_loss, cfg, data, eval_data=data)
+    before = trainer.evaluate()["loss"]
+    after = trainer.fit()["loss"]
+    assert after < before * 0.9, (before, after)
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    train = [l for l in lines if l["split"] == "train"]
+    assert all("grad_norm" in l and "loss_scale" in l and "lr" in l for l in train)
+    if precision == "fp16":
+        assert train[-1]["loss_scale"] > 1.0
+
+
+class InfOnStep:
+    """Loss wrapper that makes rank 1's loss infinite on chosen optimizer steps."""
+
+    def __init__(self, bad_calls, rank):
+        self.calls, self.bad, self.rank = 0, set(bad_calls), rank
+
+    def __call__(self, model, batch):
+        loss, units = frame_loss(model, batch)
+        self.calls += 1
+        if self.rank == 1 and self.calls in self.bad:
+            loss = loss * float("inf")
+        return loss, units
+
+
+def _inf_worker(rank, world, out, precision):
+    torch.manual_seed(0)
+    model = FrameMLP()
+    data = [mb[rank] for mb in micro_batches(5)]
+    cfg = make_cfg(os.path.join(out, precision), "trainer.max_steps=5", f"trainer.precision={precision}",
+                   "checkpoint.save_at_end=false", "scheduler.name=warmup_linear", "scheduler.warmup_steps=3",
+                   "trainer.fp16_init_scale=256")  # no routine overflow: only the injected inf skips
+    trainer = ddptrain.Trainer(model, InfOnStep({3}, rank), cfg, data)
+    snapshots = []
+    for i, mb in enumerate(data):
+        before = params_of(model)
+        out_step = trainer.train_step([mb])
+        trainer.step += 1
+        changed = any(not torch.equal(before[k], v) for k, v in params_of(model).items())
+        snapshots.append({"stepped": out_step["stepped"], "changed": changed,
+                          "sched": trainer.scheduler.last_epoch})
+    torch.save({"snap": snapshots, "skipped": trainer.skipped_steps}, os.path.join(out, f"{precision}_{rank}.pt"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, precision):
+    run_ranks(_inf_worker, 2, str(tmp_path), precision)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"{precision}_{rank}.pt", weights_only=False)
+        snap = res["snap"]
+        assert [s["stepped"] for s in snap] == [True, True, False, True, True], (rank, snap)
+        assert not snap[2]["changed"], "params changed on the skipped step"
+        assert [s["sched"] for s in snap] == [1, 2, 2, 3, 4], "scheduler advanced on a skipped step"
+        assert res["skipped"] == 1
+
+
+def test_consecutive_nonfinite_steps_abort(tmp_path):
+    def always_nan(model, batch):
+        loss, units = frame_loss(model, batch)
+        return loss * float("nan"), units
+
+    cfg = make_cfg(tmp_path, "trainer.max_steps=10", "trainer.max_nonfinite_steps=3")
+    trainer = ddptrain.Trainer(FrameMLP(), always_nan, cfg, [b for mb in micro_batches(5) for b in mb])
+    with pytest.raises(ddptrain.TrainingError, match="3 consecutive non-finite"):
+        trainer.fit()
+    assert trainer.step == 2  # aborted during the third step
+
+
+def test_error_in_loss_names_rank_step_and_utterances(tmp_path):
+    def broken(model, batch):
+        raise ValueError("bad batch")
+
+    data = [dict(b, ids=["utt-a", "utt-b"]) for b in micro_batches(1)[0]]
+    trainer = ddptrain.Trainer(FrameMLP(), broken, make_cfg(tmp_path), data)
+    with pytest.raises(RuntimeError, match=r"rank 0, step 1.*bad batch.*utt-a, utt-b"):
+        trainer.fit()
