@@ -71,6 +71,8 @@ def _grads(model: nn.Module, loss_fn, seed: int = 0, inputs=()) -> dict[str, tor
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     grads.update({f"input{i}": t.grad.clone() for i, t in enumerate(inputs)})
     grads["rng_after"] = torch.get_rng_state()  # recomputation must not move the outer RNG
+    if torch.cuda.is_initialized():
+        grads["cuda_rng_after"] = torch.cuda.get_rng_state()
     return grads
 
 
@@ -175,12 +177,19 @@ def test_inputs_saved_or_returned_as_is():
 
 def test_retain_graph_recomputes_and_second_backward_errors():
     calls = []
+
+    def fn(a):
+        calls.append("start")
+        out = a.sin().exp()  # exp saves its output: the last saved tensor
+        calls.append("end")  # never reached when recomputing: it stops once all are captured
+        return out * 2
+
     x = torch.randn(4, requires_grad=True)
-    loss = checkpoint(lambda a: calls.append(1) or a.sin().exp(), x).sum()
+    loss = checkpoint(fn, x).sum()
     loss.backward(retain_graph=True)
     first = x.grad.clone()
     loss.backward()  # a fresh recomputation: the first backward consumed its recomputed tensors
-    assert len(calls) == 3
+    assert calls == ["start", "end", "start", "start"]
     torch.testing.assert_close(x.grad, 2 * first)
     with pytest.raises(RuntimeError, match="second time"):
         loss.backward()
@@ -286,6 +295,23 @@ def test_saved_bytes_counts_each_storage_once():
         y = x.sin() * x.view(16, 16).flatten()  # x saved twice: as itself and as a view
     assert counter.nbytes == 2 * x.numel() * 4  # x once + the sin output; y.grad_fn keeps it alive
     del y
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_and_fp16_autocast_are_replayed():
+    torch.manual_seed(0)
+    plain = TinyTransformer(d=64).cuda().train()
+    ours = copy.deepcopy(plain)
+    apply_recompute(ours, _cfg(module_classes=["Block"]))
+    feats = torch.randn(4, 33, 8, device="cuda")
+
+    def loss_fn(m):
+        with torch.autocast("cuda", dtype=torch.float16):
+            return m(feats).float().pow(2).sum()
+
+    want, got = _grads(plain, loss_fn), _grads(ours, loss_fn)
+    assert "cuda_rng_after" in want
+    _assert_same(want, got)
 
 
 # ---- DDP: 2 gloo ranks, no_sync accumulation, checkpointed vs plain --------------------------
