@@ -1,4 +1,8 @@
-"""Configuration of the speech data pipeline (the ``data:`` section of a ddptrain config)."""
+"""Configuration of the speech data pipeline (the ``data:`` section of a ddptrain config).
+
+This dataclass is the single place where data behaviour is switched. Every field has its
+default next to a comment that says what it does; ``ddptrain.data`` reads nothing else.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DataConfig:
-    # --- manifests (NeMo-style JSONL: audio_filepath, duration, text [, offset, speaker, lang])
-    train_manifest: str = ""  # training manifest path
+    # --- manifests (NeMo-style JSONL: audio_filepath, duration, text [, offset, speaker, lang, id])
+    train_manifest: str = ""  # training manifest path (several: comma-separated)
     eval_manifest: str = ""  # evaluation manifest path ("" = no evaluation data)
     tokenizer: str = ""  # tokenizer file; "" = build a character tokenizer from train_manifest
     unk_token: str = ""  # map unknown characters to this token; "" = unknown chars are an error
@@ -16,8 +20,10 @@ class DataConfig:
     sample_rate: int = 16000  # everything is resampled to this rate
     features: str = "fbank"  # fbank (Kaldi-compatible) | logmel | raw (waveform)
     num_mel_bins: int = 80  # mel bins for fbank / logmel
+    frame_length_ms: float = 25.0  # analysis window for fbank / logmel
+    frame_shift_ms: float = 10.0  # hop between frames (10 ms = 100 frames/s)
     normalize: str = "utterance"  # utterance | global | none (mean/variance normalisation)
-    global_stats: str = ""  # JSON with "mean"/"std" lists, for normalize=global
+    global_stats: str = ""  # JSON with "mean"/"std" lists, for normalize=global (see features.py)
     feature_device: str = "worker"  # worker (CPU, in DataLoader workers) | gpu (whole padded batch)
     # --- augmentation (training only)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]; [] = off
@@ -27,22 +33,25 @@ class DataConfig:
     time_masks: int = 2  # number of time masks
     time_mask_ratio: float = 0.05  # max width of each time mask, as a fraction of the utterance
     # --- batching (DurationBucketSampler)
-    max_duration: float = 200.0  # seconds of audio per batch (per rank)
+    max_duration: float = 200.0  # seconds of *padded* audio per batch (per rank): B * longest <= this
     max_batch_size: int = 0  # cap on utterances per batch; 0 = no cap
     quadratic_duration: float = 0.0  # >0: cost = d + d^2/q, so long utterances get smaller batches
     num_buckets: int = 30  # duration buckets (equal total duration per bucket)
+    bucket_sort_pool: int = 8  # sort shuffled utterances in pools of this many batches (less padding); 0 = off
     shuffle: bool = True  # shuffle within buckets and across batches (seed + epoch)
-    tail: str = "duplicate"  # duplicate | drop: how to make batch counts equal across ranks
+    tail: str = "split"  # split | duplicate | drop: how batch counts are made equal across ranks
     seed: int = 0  # sampler seed (same on every rank)
     # --- loading
     num_workers: int = 2  # DataLoader worker processes
-    pin_memory: bool = True  # pinned host memory for faster host-to-GPU copies
+    pin_memory: bool = True  # pinned host memory for faster host-to-GPU copies (CUDA only)
     prefetch_factor: int = 4  # batches prefetched per worker
     persistent_workers: bool = True  # keep workers alive between epochs
     pad_to_multiple: int = 8  # pad time to a multiple of this (tensor cores)
+    loader_timeout_s: float = 300.0  # a batch that takes longer than this is an error, not a hang; 0 = none
     # --- validation
     bad_data: str = "error"  # error (list every bad line, stop) | skip (drop them, report the count)
-    validate: bool = True  # validate manifests before training
+    validate: bool = True  # validate manifests before training (file, header, duration, text)
+    validate_decode: bool = False  # also decode every file when validating (finds corrupt bodies; slow)
     duration_tolerance: float = 0.1  # seconds of allowed mismatch between manifest and file header
-    output_frame_rate: float = 25.0  # model output frames per second (CTC check: text must fit)
-    max_utterance_duration: float = 0.0  # reject longer utterances; 0 = max_duration
+    output_frame_rate: float = 25.0  # model output frames per second (CTC check: text must fit); 0 = off
+    max_utterance_duration: float = 0.0  # reject longer utterances; 0 = whatever fits max_duration

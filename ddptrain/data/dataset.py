@@ -1,0 +1,156 @@
+"""SpeechDataset: index -> one example (audio or features, tokens), with the bad-data policy.
+
+Runs inside DataLoader workers. Two things it exists to guarantee:
+
+* Bad data never becomes a silent zero tensor. A failure to load an utterance is a
+  :class:`DataError` naming the manifest line, the utterance id and the file (the DataLoader
+  re-raises it in the training process, with its type). Under ``bad_data: skip`` the example
+  becomes a :class:`BadExample`, which the collator drops and lists in ``batch["skipped_ids"]``
+  so the Trainer can count and log them. If most of what a worker loads fails, skipping is not
+  a policy any more but a broken set-up, and that is an error too.
+* Memory stays flat with many workers. Manifest entries are stored as a few numpy arrays
+  rather than a list of Python objects: forked workers touching Python objects bump their
+  reference counts, which copies the pages, so a list of a million entries slowly becomes
+  ``num_workers`` lists of a million entries (pytorch/pytorch#13246).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddptrain.data.audio import load_audio
+from ddptrain.data.config import DataConfig
+from ddptrain.data.errors import DataError, Problem
+from ddptrain.data.features import BatchFeatureExtractor
+from ddptrain.data.manifest import ManifestEntry
+
+log = logging.getLogger(__name__)
+
+# Under bad_data=skip, a worker that has seen at least this many failures, making up at least
+# this share of what it loaded, raises instead of skipping: that is a broken path or codec,
+# not a few bad files, and training on the rest would quietly train on the wrong data.
+SKIP_LIMIT_COUNT = 20
+SKIP_LIMIT_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class BadExample:
+    """Stand-in for an utterance that failed to load under ``bad_data: skip``."""
+
+    id: str
+    reason: str
+
+
+class PackedStrings:
+    """An immutable list of strings stored as one UTF-8 byte array plus offsets."""
+
+    def __init__(self, items: Sequence[str]):
+        encoded = [s.encode("utf-8") for s in items]
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=self._offsets[1:])
+        self._data = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return self._data[self._offsets[i] : self._offsets[i + 1]].tobytes().decode("utf-8")
+
+
+class SpeechDataset(Dataset):
+    """Map-style dataset over manifest entries.
+
+    Args:
+        entries: the utterances (already validated, usually).
+        cfg: data config: audio, features, augmentation and ``bad_data`` policy.
+        tokenizer: ``CharTokenizer`` (or anything with ``encode``); ``None`` = no tokens.
+        train: apply speed perturbation and SpecAugment (training only).
+
+    ``dataset[i]`` is a dict with ``id``, ``text``, ``tokens`` (int64 tensor, if a tokenizer is
+    set) and either ``features`` (T, F) float32 (``feature_device: worker``) or ``audio`` (S,)
+    float32 at ``cfg.sample_rate`` (``features: raw`` or ``feature_device: gpu``); or a
+    :class:`BadExample` under ``bad_data: skip``.
+    """
+
+    def __init__(self, entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, train: bool = False):
+        if cfg.bad_data not in ("error", "skip"):
+            raise ValueError(f"data.bad_data={cfg.bad_data!r} is not one of error, skip")
+        if cfg.feature_device not in ("worker", "gpu"):
+            raise ValueError(f"data.feature_device={cfg.feature_device!r} is not one of worker, gpu")
+        self.ids = PackedStrings([e.id for e in entries])
+        self.paths = PackedStrings([e.audio_filepath for e in entries])
+        self.texts = PackedStrings([e.text for e in entries])
+        self.sources = PackedStrings([e.source for e in entries])
+        self.lines = np.array([e.line for e in entries], dtype=np.int64)
+        self.durations = np.array([e.duration for e in entries], dtype=np.float64)
+        self.offsets = np.array([e.offset for e in entries], dtype=np.float64)
+        self.is_segment = np.array([e.is_segment for e in entries], dtype=bool)
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.train = train
+        self.speeds = [float(s) for s in cfg.speed_perturb] if train else []
+        if any(s <= 0 for s in self.speeds):
+            raise ValueError(f"data.speed_perturb factors must be > 0, got {cfg.speed_perturb}")
+        self.extractor: Optional[BatchFeatureExtractor] = None
+        if cfg.features != "raw" and cfg.feature_device == "worker":
+            self.extractor = BatchFeatureExtractor(cfg).train(train)
+        self._loaded = 0
+        self._failed = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        try:
+            example = self._load(int(i))
+        except Exception as e:  # noqa: BLE001 - every failure is named, then raised or counted
+            reason = str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"
+            problem = Problem(self.sources[i], int(self.lines[i]), self.ids[i], reason)
+            msg = str(problem)
+            if self.cfg.bad_data == "error":
+                raise DataError(msg + "  [data.bad_data=skip skips such utterances]", [problem]) from e
+            self._loaded += 1
+            self._failed += 1
+            if self._failed >= SKIP_LIMIT_COUNT and self._failed >= SKIP_LIMIT_FRACTION * self._loaded:
+                raise DataError(f"{self._failed} of {self._loaded} utterances failed to load in this worker; "
+                                f"this is not a few bad files but a broken set-up. Last: {msg}") from e
+            log.warning("skipping bad utterance: %s", msg)
+            return BadExample(self.ids[i], msg)
+        self._loaded += 1
+        return example
+
+    def _load(self, i: int) -> dict:
+        cfg = self.cfg
+        text = self.texts[i]
+        if not text.strip():
+            raise DataError("empty text")
+        speed = self.speeds[int(torch.randint(len(self.speeds), ()))] if self.speeds else 1.0
+        seg = bool(self.is_segment[i])
+        wave = load_audio(self.paths[i], cfg.sample_rate, float(self.offsets[i]),
+                          float(self.durations[i]) if seg else None, speed)
+        if not seg:
+            # the sampler's budget trusts the manifest duration: a file much longer than its line
+            # says would silently blow the batch budget (and the GPU memory) later
+            seconds = wave.numel() * speed / cfg.sample_rate
+            if abs(seconds - self.durations[i]) > cfg.duration_tolerance + 1.0 / cfg.sample_rate:
+                raise DataError(f"duration mismatch: the manifest says {self.durations[i]:.3f}s, "
+                                f"{self.paths[i]} has {seconds:.3f}s")
+        out = {"id": self.ids[i], "text": text}
+        if self.tokenizer is not None:
+            out["tokens"] = torch.tensor(self.tokenizer.encode(text), dtype=torch.int64)
+        if self.extractor is None:
+            out["audio"] = wave
+            return out
+        with torch.no_grad():
+            f = self.extractor(wave[None], torch.tensor([wave.numel()]))
+        n = int(f["feature_lens"][0])
+        if n == 0:
+            raise DataError(f"{self.paths[i]}: audio of {wave.numel()} samples is shorter than one feature frame")
+        out["features"] = f["features"][0, :n]
+        return out

@@ -1,0 +1,170 @@
+"""build_dataloader: manifest(s) + DataConfig -> a DataLoader whose batch_sampler is a
+:class:`~ddptrain.data.sampler.DurationBucketSampler`.
+
+The wiring, in order: parse the manifests; validate them (``data.validate``; with a process
+group, each rank checks a 1/W share of the files and the problems are all-gathered, so a large
+data set is not read W times); apply the bad-data policy; check that every rank ended up with
+the same utterances (two ranks with different lists would silently train on overlapping
+batches); then sampler, dataset, collator, DataLoader.
+
+Speed perturbation makes an utterance up to ``1/min(speed_perturb)`` times longer, so the
+training sampler budgets with durations scaled by that factor: the padded batch stays within
+``max_duration`` whatever factor a worker draws.
+
+Evaluation loaders (``train=False``) never shuffle, never augment and use the ``exact`` tail
+(no duplicated or dropped utterance; an empty batch on a rank that has nothing left).
+
+Attributes added to the returned DataLoader: ``validation_report`` (a ``ValidationReport``, or
+``None`` when validation is off), ``feature_extractor`` (the ``BatchFeatureExtractor`` to run on
+the device for ``feature_device: gpu``, else ``None``), ``data_config``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+from torch.utils.data import DataLoader
+
+from ddptrain.data.collate import SpeechCollator
+from ddptrain.data.config import DataConfig
+from ddptrain.data.dataset import SpeechDataset
+from ddptrain.data.errors import DataError
+from ddptrain.data.features import BatchFeatureExtractor
+from ddptrain.data.manifest import ManifestEntry
+from ddptrain.data.sampler import DurationBucketSampler
+from ddptrain.data.tokenizer import CharTokenizer
+from ddptrain.data.validate import ValidationReport, _entries_of, check_entries, finish_report
+
+log = logging.getLogger(__name__)
+
+
+def build_dataloader(
+    manifest: Union[str, os.PathLike, Sequence],
+    data_cfg: DataConfig,
+    tokenizer: Union[CharTokenizer, str, None] = None,
+    train: bool = True,
+    world_size: Optional[int] = None,
+    rank: Optional[int] = None,
+    seed: Optional[int] = None,
+) -> DataLoader:
+    """Build the training or evaluation DataLoader.
+
+    Args:
+        manifest: manifest path, comma-separated paths, list of paths, or ``ManifestEntry`` list.
+        data_cfg: the ``data:`` config section.
+        tokenizer: a ``CharTokenizer``, a tokenizer file path, or ``None`` (no ``tokens`` keys).
+        train: training (shuffle, augmentation, ``data.tail``) or evaluation (none of those).
+        world_size, rank: default from ``torch.distributed`` if initialised, else 1 / 0.
+        seed: sampler seed; default ``data_cfg.seed``.
+
+    Returns:
+        A DataLoader yielding batch dicts (keys: see ``ddptrain/data/collate.py``) with
+        ``.batch_sampler`` the DurationBucketSampler.
+
+    Raises:
+        DataError: bad manifest lines under ``bad_data: error`` (all listed), no utterance
+            left, or ranks that disagree about the data set.
+    """
+    cfg = data_cfg
+    _check_choices(cfg)
+    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if dist_on else 1
+    if rank is None:
+        rank = torch.distributed.get_rank() if dist_on else 0
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = CharTokenizer.load(tokenizer)
+
+    entries, problems = _entries_of(manifest)
+    report: Optional[ValidationReport] = None
+    if cfg.validate:
+        problems += _check_sharded(entries, cfg, tokenizer, dist_on)
+        report = finish_report(entries, problems, cfg.bad_data)
+        entries = report.entries
+        if report.problems:
+            log.warning("skipped %d bad utterance(s) of %d (data.bad_data=skip):\n%s",
+                        report.num_skipped, report.num_total, report)
+    else:
+        entries = finish_report(entries, problems, cfg.bad_data).entries  # parse errors still count
+    if not entries:
+        raise DataError(f"no utterances left in {manifest!r} (after skipping bad lines)")
+    if dist_on and torch.distributed.get_world_size() > 1:
+        _check_same_on_all_ranks(entries)
+
+    speeds = [float(s) for s in cfg.speed_perturb] if train else []
+    stretch = 1.0 / min(speeds) if speeds else 1.0
+    sampler = DurationBucketSampler(
+        [e.duration * stretch for e in entries],
+        max_duration=cfg.max_duration,
+        max_batch_size=cfg.max_batch_size,
+        quadratic_duration=cfg.quadratic_duration,
+        num_buckets=cfg.num_buckets,
+        sort_pool=cfg.bucket_sort_pool,
+        shuffle=cfg.shuffle and train,
+        tail=cfg.tail if train else "exact",
+        seed=cfg.seed if seed is None else seed,
+        world_size=world_size,
+        rank=rank,
+    )
+    dataset = SpeechDataset(entries, cfg, tokenizer, train)
+    collate = SpeechCollator(
+        mode="features" if dataset.extractor is not None else "audio",
+        num_mel_bins=cfg.num_mel_bins,
+        pad_to_multiple=cfg.pad_to_multiple,
+        with_tokens=tokenizer is not None,
+    )
+    workers = max(0, cfg.num_workers)
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+        persistent_workers=cfg.persistent_workers and workers > 0,
+        prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+        timeout=cfg.loader_timeout_s if workers > 0 else 0,
+    )
+    loader.validation_report = report
+    loader.data_config = cfg
+    loader.feature_extractor = (
+        BatchFeatureExtractor(cfg).train(train) if cfg.features != "raw" and cfg.feature_device == "gpu" else None
+    )
+    return loader
+
+
+def _check_choices(cfg: DataConfig) -> None:
+    choices = {"features": ("fbank", "logmel", "raw"), "normalize": ("utterance", "global", "none"),
+               "feature_device": ("worker", "gpu"), "bad_data": ("error", "skip"),
+               "tail": ("split", "duplicate", "drop", "exact")}
+    for key, allowed in choices.items():
+        if getattr(cfg, key) not in allowed:
+            raise ValueError(f"data.{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
+
+
+def _check_sharded(entries: list[ManifestEntry], cfg: DataConfig, tokenizer, dist_on: bool) -> list:
+    if not (dist_on and torch.distributed.get_world_size() > 1):
+        return check_entries(entries, cfg, tokenizer, cfg.validate_decode)
+    w, r = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mine = check_entries(entries[r::w], cfg, tokenizer, cfg.validate_decode)
+    gathered: list = [None] * w
+    torch.distributed.all_gather_object(gathered, mine)
+    return [p for part in gathered for p in part]
+
+
+def _check_same_on_all_ranks(entries: list[ManifestEntry]) -> None:
+    h = hashlib.blake2b(digest_size=7)
+    for e in entries:
+        h.update(f"{e.id}\t{e.duration:.4f}\n".encode())
+    mine = int.from_bytes(h.digest(), "little")
+    backend = torch.distributed.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    if int(t[0]) != mine or int(t[1]) != -mine:
+        raise DataError(f"rank {torch.distributed.get_rank()} sees a different list of utterances than another "
+                        f"rank ({len(entries)} here): do all ranks read the same manifest, and is the "
+                        f"audio storage the same everywhere (a file readable on one node only)?")

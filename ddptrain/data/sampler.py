@@ -1,0 +1,460 @@
+"""DurationBucketSampler: batches by a budget of padded audio seconds, the same plan on every rank.
+
+What it yields: lists of dataset indices (it is a *batch* sampler: pass it to
+``DataLoader(batch_sampler=...)``). Protocol the Trainer relies on:
+
+* ``set_epoch(epoch)`` before iterating an epoch; ``len(sampler)`` = batches (= optimizer
+  micro-steps) this rank gets in that epoch, equal on every rank.
+* ``state_dict()`` / ``load_state_dict(state)``: exact mid-epoch resume. ``state["epoch"]`` and
+  ``state["position"]``, where position = batches of the epoch already done. The DataLoader
+  prefetches, so the sampler's own count runs ahead of training; the Trainer overwrites
+  ``position`` with the batches it actually consumed before saving.
+* ``epoch_stats()`` -> dict: padding fraction, batch-size statistics, duplicated/dropped counts
+  of the current epoch's plan (the same on every rank), for logging.
+
+How a plan is made (all of it a pure function of ``(seed, epoch, durations, settings)``):
+
+1. Buckets (once): utterances sorted by duration are cut into ``num_buckets`` runs that each
+   hold about the same *total* duration, so no bucket is starved of batches. Bucket ``b``'s batch
+   size is ``floor(max_duration / cost(longest utterance in b))`` (capped by
+   ``max_batch_size``), where ``cost(d) = d``, or ``d + d*d/quadratic_duration``. The padded
+   batch ``B * cost(longest)`` therefore never exceeds the budget, and because sizes are fixed per
+   bucket, the number of batches is the same every epoch (exact LR schedules).
+2. Per epoch, with ``rng = default_rng([seed, epoch])``: shuffle each bucket, sort the shuffled
+   utterances by duration inside pools of ``sort_pool`` batches (neighbours in a batch are then
+   close in length: about 4x less padding than packing the shuffled bucket, yet batch contents
+   change every epoch), cut into batches, and shuffle the batch order across all buckets.
+3. Distributed split: the epoch's global batch list is made a multiple of ``world_size`` by the
+   tail policy, and rank ``r`` takes batches ``r, r + W, r + 2W, ...``. Step ``s`` of every
+   rank therefore covers global batches ``[s*W, (s+1)*W)``: ranks are disjoint by construction
+   and nobody waits in an all-reduce for a rank that has run out of data.
+
+Tail policies (``tail``), i.e. what happens when the number of batches ``n`` is not a multiple
+of ``world_size`` ``W``:
+
+* ``split`` (default): split the largest batches in two (halves stay within budget) until
+  ``n % W == 0``. Every utterance is seen exactly once. Only if there are too few utterances to
+  split (fewer utterances than needed batches, e.g. a data set smaller than ``W``) are the
+  missing batches filled with copies of the first batches of the epoch.
+* ``duplicate``: append copies of the first ``W - n % W`` batches of the (shuffled) epoch.
+* ``drop``: drop the last ``n % W`` batches of the (shuffled) epoch, i.e. random utterances
+  each epoch; a data set with fewer than ``W`` batches gives empty epochs.
+* ``exact``: like ``split``, but missing batches are *empty* (``[]``) instead of copies; for
+  evaluation, where a duplicate would bias the metric. Evaluation loops must skip empty batches.
+
+Resume in O(1): the plan is rebuilt from the seed (milliseconds, durations only; no audio is
+read) and iteration starts at batch ``position``. A state saved with another world size is
+*resharded exactly*: the batches the old ranks had not reached are re-dealt over the new ranks
+(each utterance of the epoch is still seen once under ``split``/``exact``). Other differences
+(seed, data set, budget, buckets, ...) are an error that names the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+log = logging.getLogger(__name__)
+
+TAILS = ("split", "duplicate", "drop", "exact")
+_STATE_VERSION = 1
+
+
+class DurationBucketSampler(Sampler):
+    """Batch sampler: duration-bucketed, budgeted by padded seconds, distributed, resumable.
+
+    Args:
+        durations: seconds per utterance, indexed like the dataset.
+        max_duration: budget per batch, in (cost-)seconds of *padded* audio:
+            ``batch_size * cost(longest utterance) <= max_duration``.
+        max_batch_size: cap on utterances per batch; 0 = no cap.
+        quadratic_duration: if > 0, ``cost(d) = d + d**2 / quadratic_duration`` so batches of
+            long utterances get smaller (self-attention memory/time grows with length squared).
+            Lhotse's guidance applies: 15-40 for transformers.
+        num_buckets: duration buckets, each holding about equal total duration.
+        sort_pool: within a bucket, sort shuffled utterances by duration in pools of this many
+            batches before cutting batches; 0 = pack the shuffled bucket as it is.
+        shuffle: shuffle (with ``seed`` + epoch); False = buckets in increasing duration,
+            utterances sorted, the same every epoch (for evaluation).
+        tail: ``split`` | ``duplicate`` | ``drop`` | ``exact``, see the module docstring.
+        seed: base seed, must be the same on every rank.
+        world_size: number of ranks; default: from ``torch.distributed`` if initialised, else 1.
+        rank: this rank; default: from ``torch.distributed`` if initialised, else 0.
+
+    Raises:
+        ValueError: bad settings, an empty data set, or an utterance that does not fit in a
+            batch on its own (validate the manifest first: ``bad_data: skip`` drops those).
+    """
+
+    def __init__(
+        self,
+        durations: Sequence[float],
+        max_duration: float,
+        max_batch_size: int = 0,
+        quadratic_duration: float = 0.0,
+        num_buckets: int = 30,
+        sort_pool: int = 8,
+        shuffle: bool = True,
+        tail: str = "split",
+        seed: int = 0,
+        world_size: Optional[int] = None,
+        rank: Optional[int] = None,
+    ):
+        if world_size is None or rank is None:
+            dist_ok = torch.distributed.is_available() and torch.distributed.is_initialized()
+            world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist_ok else 1)
+            rank = rank if rank is not None else (torch.distributed.get_rank() if dist_ok else 0)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=} {rank=}")
+        if tail not in TAILS:
+            raise ValueError(f"tail={tail!r} is not one of {', '.join(TAILS)}")
+        if not max_duration > 0 or num_buckets < 1 or max_batch_size < 0 or sort_pool < 0 or quadratic_duration < 0:
+            raise ValueError(f"need max_duration > 0, num_buckets >= 1 and non-negative max_batch_size, "
+                             f"sort_pool, quadratic_duration; got {max_duration=} {num_buckets=} "
+                             f"{max_batch_size=} {sort_pool=} {quadratic_duration=}")
+        if int(seed) != seed or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        d = np.asarray(durations, dtype=np.float64)
+        if d.ndim != 1 or d.size == 0:
+            raise ValueError("durations must be a non-empty 1-D sequence (is the manifest empty, "
+                             "or were all lines skipped as bad data?)")
+        if not np.isfinite(d).all() or (d <= 0).any():
+            raise ValueError(f"durations must be finite and > 0; bad indices: {np.flatnonzero(~(d > 0))[:10].tolist()}")
+        self.durations = d
+        self.max_duration = float(max_duration)
+        self.max_batch_size = int(max_batch_size)
+        self.quadratic_duration = float(quadratic_duration)
+        self.num_buckets = int(num_buckets)
+        self.sort_pool = int(sort_pool)
+        self.shuffle = bool(shuffle)
+        self.tail = tail
+        self.seed = int(seed)
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+
+        too_long = np.flatnonzero(self._cost(d) > self.max_duration)
+        if too_long.size:
+            raise ValueError(
+                f"{too_long.size} utterance(s) do not fit in a batch of max_duration={self.max_duration}s on "
+                f"their own (indices {too_long[:10].tolist()}, durations {np.round(d[too_long[:10]], 2).tolist()}); "
+                f"raise max_duration or drop them (validate with bad_data=skip)")
+        self._buckets, self._bucket_batch_size = self._make_buckets()
+        # identifies the data set in a checkpoint: a changed manifest cannot resume mid-epoch
+        self._fingerprint = hashlib.blake2b(np.round(d, 4).tobytes(), digest_size=8).hexdigest()
+
+        self.epoch = 0
+        self._history: list[tuple[int, int]] = []  # reshards of this epoch: (old world size, position)
+        self._resume_position: Optional[int] = None  # set by load_state_dict, used by the next __iter__
+        self._position = 0  # batches handed out by the current iteration (runs ahead of training)
+        self._plan_cache: Optional[tuple] = None
+
+    # ------------------------------------------------------------------ buckets
+    def _cost(self, d):
+        return d + d * d / self.quadratic_duration if self.quadratic_duration > 0 else d
+
+    def _make_buckets(self) -> tuple[list[np.ndarray], list[int]]:
+        d = self.durations
+        order = np.argsort(d, kind="stable")
+        cum = np.cumsum(d[order])
+        # cut the sorted list where the running total crosses k/num_buckets of the total: equal
+        # total duration per bucket means equal numbers of batches, so no bucket runs dry first
+        targets = cum[-1] * np.arange(1, self.num_buckets) / self.num_buckets
+        cuts = np.unique(np.concatenate([[0], np.searchsorted(cum, targets, side="left") + 1, [d.size]]))
+        cuts = cuts[(cuts >= 0) & (cuts <= d.size)]
+        buckets, sizes = [], []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b <= a:
+                continue
+            members = order[a:b]  # sorted by duration, ties by index: deterministic
+            bs = self._batch_size_for(float(d[members[-1]]))
+            buckets.append(members)
+            sizes.append(bs)
+        return buckets, sizes
+
+    def _batch_size_for(self, longest: float) -> int:
+        c = float(self._cost(longest))
+        bs = max(1, int(math.floor(self.max_duration / c)))
+        while bs > 1 and bs * c > self.max_duration:  # guard against float rounding up
+            bs -= 1
+        return min(bs, self.max_batch_size) if self.max_batch_size else bs
+
+    @property
+    def bucket_edges(self) -> list[tuple[float, float]]:
+        """(shortest, longest) duration of each bucket."""
+        return [(float(self.durations[m[0]]), float(self.durations[m[-1]])) for m in self._buckets]
+
+    @property
+    def bucket_batch_sizes(self) -> list[int]:
+        """Utterances per (full) batch in each bucket."""
+        return list(self._bucket_batch_size)
+
+    # ------------------------------------------------------------------ the plan
+    def _base_batches(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's global batch list, before the tail policy; identical on every rank."""
+        rng = np.random.default_rng([self.seed, epoch])
+        batches: list[np.ndarray] = []
+        for members, bs in zip(self._buckets, self._bucket_batch_size):
+            idx = members
+            if self.shuffle:
+                idx = rng.permutation(members)
+                if self.sort_pool > 0:
+                    pool_id = np.arange(idx.size) // (self.sort_pool * bs)
+                    idx = idx[np.lexsort((self.durations[idx], pool_id))]
+            batches.extend(np.split(idx, range(bs, idx.size, bs)))
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return batches
+
+    def _plan(self) -> tuple[list[np.ndarray], list[bool], dict, int]:
+        """(global batches, filler flags, tail info, steps done before the last reshard)."""
+        key = (self.epoch, tuple(self._history), self.world_size)
+        if self._plan_cache is not None and self._plan_cache[0] == key:
+            return self._plan_cache[1]
+        batches = self._base_batches(self.epoch)
+        done = 0
+        for old_world, old_pos in self._history:
+            # what the old ranks had not reached yet, minus filler (copies/empties of the old tail)
+            adj, filler, _ = _fit_to_ranks(batches, old_world, self.tail)
+            start = (old_pos - done) * old_world
+            batches = [b for b, f in zip(adj[start:], filler[start:]) if not f]
+            done = old_pos
+        adj, filler, info = _fit_to_ranks(batches, self.world_size, self.tail)
+        result = (adj, filler, info, done)
+        self._plan_cache = (key, result)
+        return result
+
+    def _rank_batches(self) -> tuple[list[np.ndarray], int]:
+        adj, _, _, done = self._plan()
+        return adj[self.rank :: self.world_size], done
+
+    # ------------------------------------------------------------------ sampler protocol
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate next (same value on every rank).
+
+        Setting the epoch a state was just loaded for keeps the pending resume position, so a
+        Trainer may call ``load_state_dict(s)`` and then ``set_epoch(s["epoch"])``. Any other
+        epoch starts from its first batch.
+        """
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._history = []
+            self._resume_position = None
+            self._position = 0
+
+    def __len__(self) -> int:
+        """Batches this rank gets in the current epoch (equal on all ranks), counting from the
+        epoch's start even when resuming mid-epoch."""
+        batches, done = self._rank_batches()
+        return done + len(batches)
+
+    def __iter__(self):
+        if self._resume_position is None:
+            self._history = []  # a fresh pass over the epoch: the full plan, not a resumed one
+            start = 0
+        else:
+            start, self._resume_position = self._resume_position, None
+        batches, done = self._rank_batches()
+        if not done <= start <= done + len(batches):
+            raise ValueError(f"resume position {start} is outside epoch {self.epoch}'s "
+                             f"{done}..{done + len(batches)} batches")
+        self._position = start
+        # the plan is made here, not lazily in the generator: the DataLoader calls iter() when
+        # the epoch's iterator is created, and that is the state the epoch must run with
+        return self._generate(batches, start - done)
+
+    def _generate(self, batches: list[np.ndarray], skip: int):
+        for b in batches[skip:]:
+            self._position += 1
+            yield b.tolist()
+        self._position = 0  # epoch complete: nothing left to skip
+
+    # ------------------------------------------------------------------ checkpointing
+    def _settings(self) -> dict:
+        return {
+            "seed": self.seed,
+            "num_utterances": int(self.durations.size),
+            "durations_fingerprint": self._fingerprint,
+            "max_duration": self.max_duration,
+            "max_batch_size": self.max_batch_size,
+            "quadratic_duration": self.quadratic_duration,
+            "num_buckets": self.num_buckets,
+            "sort_pool": self.sort_pool,
+            "shuffle": self.shuffle,
+            "tail": self.tail,
+        }
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume this rank exactly; plain Python types only.
+
+        ``position`` is the batches of ``epoch`` handed out so far (or, right after
+        :meth:`load_state_dict`, the position the next iteration will start at).
+        """
+        position = self._resume_position if self._resume_position is not None else self._position
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "position": int(position),
+            "reshard_history": [list(h) for h in self._history],
+            "world_size": self.world_size,
+            "rank": self.rank,
+            **self._settings(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at batch ``state["position"]`` of epoch ``state["epoch"]`` on the next ``__iter__``.
+
+        Raises:
+            ValueError: unknown or missing keys, a state of another data set, seed or batching
+                set-up (the message names each differing field, saved vs. now), a state of
+                another rank, or a position outside the epoch.
+        """
+        s = dict(state)
+        try:
+            version = s.pop("version")
+            epoch, position = int(s.pop("epoch")), int(s.pop("position"))
+            history = [(int(w), int(p)) for w, p in s.pop("reshard_history")]
+            world_size, rank = int(s.pop("world_size")), int(s.pop("rank"))
+            saved = {k: s.pop(k) for k in self._settings()}
+        except KeyError as e:
+            raise ValueError(f"sampler state is missing key {e.args[0]!r}") from None
+        if s:
+            raise ValueError(f"sampler state has unexpected key(s) {sorted(s)}")
+        if version != _STATE_VERSION:
+            raise ValueError(f"sampler state version {version} is not supported (expected {_STATE_VERSION})")
+        now = self._settings()
+        diff = [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in now if saved[k] != now[k]]
+        if diff:
+            raise ValueError("sampler state was saved with a different set-up, so the saved position "
+                             "means different batches now: " + "; ".join(diff))
+        if world_size == self.world_size and rank != self.rank:
+            raise ValueError(f"sampler state is for rank {rank} but this sampler is rank {self.rank} "
+                             f"(each rank must load its own state)")
+        self.epoch = epoch
+        self._history = history
+        if world_size != self.world_size:
+            # reshard: the old ranks' remaining batches are re-dealt over this world size
+            old = DurationBucketSampler.__new__(DurationBucketSampler)
+            old.__dict__.update(self.__dict__)
+            old.world_size, old.rank, old._plan_cache = world_size, 0, None
+            self._check_position(old, position)
+            log.info("resharding sampler state of epoch %d from world size %d to %d at batch %d",
+                     epoch, world_size, self.world_size, position)
+            self._history = history + [(world_size, position)]
+        self._plan_cache = None
+        self._check_position(self, position)
+        self._resume_position = position
+        self._position = position
+
+    @staticmethod
+    def _check_position(sampler: "DurationBucketSampler", position: int) -> None:
+        batches, done = sampler._rank_batches()
+        if not done <= position <= done + len(batches):
+            raise ValueError(f"sampler state position {position} is outside epoch {sampler.epoch}, which has "
+                             f"batches {done}..{done + len(batches)} at world size {sampler.world_size}")
+
+    # ------------------------------------------------------------------ statistics
+    def epoch_stats(self) -> dict:
+        """Statistics of the current epoch's plan over all ranks (identical on every rank).
+
+        Returns:
+            dict with ``padding_fraction`` (padded seconds that are padding), ``budget_fill``
+            (mean padded batch cost / max_duration), ``batch_size_mean/min/max``,
+            ``num_batches`` (this rank), ``num_batches_total`` (all ranks), ``num_utterances``
+            (including duplicates), ``duplicated_utterances``, ``dropped_utterances``,
+            ``split_batches``, ``empty_batches``.
+        """
+        adj, _, info, _ = self._plan()
+        sizes = np.array([b.size for b in adj], dtype=np.int64)
+        nonempty = sizes[sizes > 0]
+        longest = np.zeros(0)
+        real = 0.0
+        if nonempty.size:
+            d = self.durations[np.concatenate([b for b in adj if b.size])]
+            starts = np.concatenate([[0], np.cumsum(nonempty)[:-1]])
+            longest = np.maximum.reduceat(d, starts)
+            real = float(d.sum())
+        padded = float((nonempty * longest).sum())
+        cost = nonempty * self._cost(longest)
+        return {
+            "padding_fraction": 1.0 - real / padded if padded else 0.0,
+            "budget_fill": float(cost.mean() / self.max_duration) if cost.size else 0.0,
+            "batch_size_mean": float(sizes.mean()) if sizes.size else 0.0,
+            "batch_size_min": int(sizes.min()) if sizes.size else 0,
+            "batch_size_max": int(sizes.max()) if sizes.size else 0,
+            "num_batches": len(self),
+            "num_batches_total": len(adj),
+            "num_utterances": int(sizes.sum()),
+            **info,
+        }
+
+    def __repr__(self) -> str:
+        return (f"DurationBucketSampler(utterances={self.durations.size}, max_duration={self.max_duration}, "
+                f"buckets={len(self._buckets)}, tail={self.tail!r}, world_size={self.world_size}, rank={self.rank})")
+
+
+def _fit_to_ranks(batches: list[np.ndarray], world_size: int, tail: str) -> tuple[list[np.ndarray], list[bool], dict]:
+    """Apply the tail policy so ``len(result) % world_size == 0``.
+
+    Returns:
+        ``(batches, filler, info)``: filler[i] is True for a copy or an empty batch added to
+        fill the last step (dropped on reshard), info counts what the policy did.
+    """
+    info = {"duplicated_utterances": 0, "dropped_utterances": 0, "split_batches": 0, "empty_batches": 0}
+    n = len(batches)
+    missing = -n % world_size
+    if missing == 0:
+        return list(batches), [False] * n, info
+    if tail == "drop":
+        keep = n - (n % world_size)
+        info["dropped_utterances"] = int(sum(b.size for b in batches[keep:]))
+        return list(batches[:keep]), [False] * keep, info
+    out = list(batches)
+    if tail in ("split", "exact"):
+        out, missing = _split_largest(out, missing)
+        info["split_batches"] = (len(out) - n)
+    filler = [False] * len(out)
+    if missing:
+        if tail == "exact" or not out:
+            extra = [np.zeros(0, dtype=np.int64)] * missing
+            info["empty_batches"] = missing
+        else:
+            extra = [out[i % len(out)] for i in range(missing)]
+            info["duplicated_utterances"] = int(sum(b.size for b in extra))
+        out += extra
+        filler += [True] * missing
+    return out, filler, info
+
+
+def _split_largest(batches: list[np.ndarray], missing: int) -> tuple[list[np.ndarray], int]:
+    """Split the largest batches in halves (ties: earliest first) to add up to ``missing`` batches.
+
+    Returns the new list (halves take the place of their batch) and how many are still missing
+    (non-zero only when every batch is down to one utterance).
+    """
+    pieces: dict[int, np.ndarray] = dict(enumerate(batches))  # piece id -> indices
+    slots: list[list[int]] = [[i] for i in range(len(batches))]  # original batch -> its pieces, in order
+    heap = [(-b.size, i, i) for i, b in enumerate(batches) if b.size >= 2]
+    heapq.heapify(heap)
+    next_id = len(batches)
+    while missing and heap:
+        _, slot, pid = heapq.heappop(heap)
+        b = pieces.pop(pid)
+        half = b.size // 2
+        a_id, b_id = next_id, next_id + 1
+        next_id += 2
+        pieces[a_id], pieces[b_id] = b[:half], b[half:]
+        k = slots[slot].index(pid)
+        slots[slot][k : k + 1] = [a_id, b_id]
+        for q in (a_id, b_id):
+            if pieces[q].size >= 2:
+                heapq.heappush(heap, (-pieces[q].size, slot, q))
+        missing -= 1
+    return [pieces[q] for s in slots for q in s], missing

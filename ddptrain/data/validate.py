@@ -1,0 +1,294 @@
+"""Validate manifests before training: find every bad line up front, not one per crashed run.
+
+Checks, per line (the reason strings start with these words, so reports can be grepped):
+
+* ``bad line``: not JSON / missing or mistyped keys (from the manifest parser);
+* ``duplicate id``;
+* ``missing audio file``;
+* ``unreadable audio``: libsndfile cannot parse the header (with ``decode``: the data);
+* ``zero-length audio``;
+* ``duration mismatch``: the header's length differs from the manifest's ``duration`` by more
+  than ``duration_tolerance`` (for a segment line, one with ``offset``: the segment runs past
+  the end of the file);
+* ``truncated audio`` / ``non-finite samples`` (only with ``decode``);
+* ``empty text``;
+* ``unknown characters`` (when a tokenizer without an unknown token is given);
+* ``text too long for CTC``: CTC needs one output frame per token plus one blank between
+  repeated tokens, and the model emits ``duration * output_frame_rate`` frames (at the fastest
+  speed perturbation, which makes the utterance shortest);
+* ``shorter than one feature frame``;
+* ``too long``: the utterance alone exceeds the batch budget ``max_duration`` (at the slowest
+  speed perturbation, with ``quadratic_duration``) or ``max_utterance_duration``.
+
+The header check is cheap (it reads a few bytes per file, in threads); ``decode`` reads every
+file in full, which finds corrupt bodies but costs minutes per thousand hours of audio.
+Anything that slips through is still caught when a worker loads it (see ``dataset.py``).
+
+Policy (``data.bad_data``): ``error`` raises a :class:`DataError` listing every bad line;
+``skip`` returns the good entries and the count skipped.
+
+Command line::
+
+    python -m ddptrain.data.validate train.jsonl [more.jsonl] [--config configs/x.yaml]
+        [--sample-rate 16000] [--max-duration 200] [--output-frame-rate 25] [--tokenizer vocab.json]
+        [--decode] [--threads 8]
+
+prints one ``file:line: reason`` per problem and a summary, and exits 1 if there were problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import soundfile as sf
+
+from ddptrain.data.audio import AudioError, audio_info
+from ddptrain.data.config import DataConfig
+from ddptrain.data.errors import DataError, Problem
+from ddptrain.data.manifest import ManifestEntry, duplicate_id_problems, parse_manifest, split_paths
+
+ManifestLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], Sequence[ManifestEntry]]
+
+
+@dataclass
+class ValidationReport:
+    """Outcome of :func:`validate_manifest`."""
+
+    entries: list[ManifestEntry]  # the good entries, in manifest order
+    problems: list[Problem] = field(default_factory=list)  # one per bad line, in manifest order
+    num_total: int = 0  # lines (entries) looked at
+
+    @property
+    def num_bad(self) -> int:
+        return len(self.problems)
+
+    @property
+    def num_skipped(self) -> int:
+        """Bad lines left out of ``entries`` (all of them: that is what skipping means)."""
+        return len(self.problems)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.num_total} utterance(s), no problems"
+        return f"{self.num_bad} of {self.num_total} utterance(s) have problems"
+
+    def __str__(self) -> str:
+        return "\n".join([str(p) for p in self.problems] + [self.summary()])
+
+
+def validate_manifest(
+    manifest: ManifestLike,
+    data_cfg: Optional[DataConfig] = None,
+    tokenizer=None,
+    decode: Optional[bool] = None,
+    num_threads: int = 8,
+    policy: Optional[str] = None,
+) -> ValidationReport:
+    """Check every line of one or more manifests (see the module docstring for the checks).
+
+    Args:
+        manifest: path, comma-separated paths, list of paths, or a list of ``ManifestEntry``.
+        data_cfg: supplies sample rate, budget, tolerance, CTC frame rate...; default config if None.
+        tokenizer: check that every character is known (skipped when None).
+        decode: decode every file in full; default ``data_cfg.validate_decode``.
+        num_threads: parallel header reads (libsndfile releases the GIL).
+        policy: ``error`` | ``skip``; default ``data_cfg.bad_data``.
+
+    Returns:
+        The report: good entries, problems, counts. Under ``skip`` the caller trains on
+        ``report.entries`` and logs ``report.num_skipped``.
+
+    Raises:
+        DataError: under ``error``, when any line is bad; the message lists every bad line as
+            ``file:line: reason`` (``.problems`` has them as records).
+    """
+    cfg = data_cfg or DataConfig()
+    policy = policy or cfg.bad_data
+    if policy not in ("error", "skip"):
+        raise ValueError(f"bad_data policy {policy!r} is not one of error, skip")
+    entries, problems = _entries_of(manifest)
+    problems += check_entries(entries, cfg, tokenizer, cfg.validate_decode if decode is None else decode, num_threads)
+    return finish_report(entries, problems, policy)
+
+
+def finish_report(entries: list[ManifestEntry], problems: list[Problem], policy: str) -> ValidationReport:
+    """Merge problems per line, drop bad entries, and apply the policy."""
+    merged: dict[tuple, Problem] = {}
+    for p in problems:
+        key = (p.source, p.line, p.id)
+        if key in merged:
+            merged[key] = replace(merged[key], reason=merged[key].reason + "; " + p.reason)
+        else:
+            merged[key] = p
+    rank: dict[str, int] = {}
+    for src in [e.source for e in entries] + [p.source for p in merged.values()]:
+        rank.setdefault(src, len(rank))
+    bad = sorted(merged.values(), key=lambda p: (rank[p.source], p.line))
+    bad_keys = set(merged)
+    good = [e for e in entries if (e.source, e.line, e.id) not in bad_keys]
+    known = {(e.source, e.line, e.id) for e in entries}
+    parse_only = sum(1 for k in merged if k not in known)
+    report = ValidationReport(good, bad, len(entries) + parse_only)
+    if bad and policy == "error":
+        raise DataError.from_problems(
+            f"{report.summary()} (data.bad_data=skip would skip them; "
+            f"`python -m ddptrain.data.validate MANIFEST` prints this list):", bad)
+    return report
+
+
+def _entries_of(manifest: ManifestLike) -> tuple[list[ManifestEntry], list[Problem]]:
+    if isinstance(manifest, (list, tuple)) and manifest and isinstance(manifest[0], ManifestEntry):
+        entries = list(manifest)
+        return entries, duplicate_id_problems(entries)
+    entries, problems = [], []
+    for path in split_paths(manifest):
+        got, bad = parse_manifest(path)
+        entries += got
+        problems += [replace(p, reason="bad line: " + p.reason) for p in bad]
+    return entries, problems + duplicate_id_problems(entries)
+
+
+def check_entries(entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, decode: bool = False,
+                  num_threads: int = 8) -> list[Problem]:
+    """All problems of ``entries`` (text checks here, audio checks in a thread pool)."""
+    problems = [p for e in entries for p in _text_problems(e, cfg, tokenizer)]
+    with ThreadPoolExecutor(max(1, num_threads)) as pool:
+        for e, reason in zip(entries, pool.map(lambda e: _audio_problem(e, cfg, decode), entries, chunksize=64)):
+            if reason:
+                problems.append(Problem(e.source, e.line, e.id, reason))
+    return problems
+
+
+def _speed_range(cfg: DataConfig) -> tuple[float, float]:
+    speeds = [float(s) for s in cfg.speed_perturb] or [1.0]
+    return min(speeds), max(speeds)
+
+
+def _text_problems(e: ManifestEntry, cfg: DataConfig, tokenizer) -> list[Problem]:
+    out = []
+
+    def bad(reason):
+        out.append(Problem(e.source, e.line, e.id, reason))
+
+    slow, fast = _speed_range(cfg)
+    longest = e.duration / slow  # speed 0.9 makes an utterance 11% longer
+    cost = longest + longest * longest / cfg.quadratic_duration if cfg.quadratic_duration > 0 else longest
+    if cost > cfg.max_duration:
+        extra = f" at speed {slow}" if slow != 1.0 else ""
+        bad(f"too long: {e.duration:.2f}s{extra} does not fit in a batch of max_duration={cfg.max_duration}s")
+    elif cfg.max_utterance_duration > 0 and e.duration > cfg.max_utterance_duration:
+        bad(f"too long: {e.duration:.2f}s > max_utterance_duration={cfg.max_utterance_duration}s")
+    if cfg.features != "raw" and e.duration < cfg.frame_length_ms / 1000:
+        bad(f"shorter than one feature frame: {e.duration * 1000:.1f} ms < {cfg.frame_length_ms} ms")
+    if not e.text.strip():
+        bad("empty text")
+        return out
+    tokens: Sequence = e.text
+    if tokenizer is not None:
+        unknown = tokenizer.unknown_chars(e.text) if getattr(tokenizer, "unk_id", None) is None else []
+        if unknown:
+            bad("unknown characters " + ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown))
+            return out
+        tokens = tokenizer.encode(e.text)
+    if cfg.output_frame_rate > 0:
+        frames = math.floor(e.duration / fast * cfg.output_frame_rate)
+        repeats = sum(1 for a, b in zip(tokens, tokens[1:]) if a == b)
+        if len(tokens) + repeats > frames:
+            bad(f"text too long for CTC: {len(tokens)} tokens (+{repeats} repeats) need more than the "
+                f"{frames} output frames of {e.duration:.2f}s at {cfg.output_frame_rate} frames/s")
+    return out
+
+
+def _audio_problem(e: ManifestEntry, cfg: DataConfig, decode: bool) -> str:
+    if not os.path.exists(e.audio_filepath):
+        return f"missing audio file: {e.audio_filepath}"
+    try:
+        info = audio_info(e.audio_filepath)
+    except AudioError as err:
+        return f"unreadable audio: {err}"
+    if info.frames == 0:
+        return f"zero-length audio: {e.audio_filepath}"
+    tol = cfg.duration_tolerance
+    if e.is_segment:
+        if e.offset + e.duration > info.duration + tol:
+            return (f"duration mismatch: segment {e.offset:.3f}s + {e.duration:.3f}s runs past the end of "
+                    f"{e.audio_filepath} ({info.duration:.3f}s)")
+    elif abs(info.duration - e.duration) > tol:
+        return f"duration mismatch: the manifest says {e.duration:.3f}s, {e.audio_filepath} has {info.duration:.3f}s"
+    if decode:
+        return _decode_problem(e.audio_filepath, info.frames)
+    return ""
+
+
+def _decode_problem(path: str, header_frames: int) -> str:
+    frames = 0
+    try:
+        with sf.SoundFile(path) as f:
+            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
+                if not np.isfinite(block).all():
+                    return f"non-finite samples: NaN/inf in {path}"
+                frames += block.shape[0]
+    except (RuntimeError, OSError, ValueError, sf.SoundFileError) as err:
+        return f"unreadable audio: cannot decode {path}: {str(err).strip().splitlines()[-1] if str(err).strip() else err!r}"
+    if frames < header_frames:
+        return f"truncated audio: decoded {frames} of the {header_frames} frames the header of {path} promises"
+    return ""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddptrain.data.validate",
+                                description="Check manifests for bad lines; exit 1 if any.")
+    p.add_argument("manifests", nargs="+", help="JSONL manifest(s)")
+    p.add_argument("--config", help="YAML config whose data: section supplies the defaults")
+    p.add_argument("--sample-rate", type=int)
+    p.add_argument("--max-duration", type=float, help="batch budget in seconds")
+    p.add_argument("--max-utterance-duration", type=float)
+    p.add_argument("--quadratic-duration", type=float)
+    p.add_argument("--output-frame-rate", type=float, help="model output frames/s for the CTC check (0 = off)")
+    p.add_argument("--duration-tolerance", type=float)
+    p.add_argument("--tokenizer", help="tokenizer file: also check for unknown characters")
+    p.add_argument("--decode", action="store_true", help="decode every file in full (slow, thorough)")
+    p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--quiet", action="store_true", help="print only the summary")
+    a = p.parse_args(argv)
+    if a.config:
+        from ddptrain.config import load_config
+
+        cfg = load_config(a.config).data
+    else:
+        cfg = DataConfig()
+    for arg, key in [("sample_rate", "sample_rate"), ("max_duration", "max_duration"),
+                     ("max_utterance_duration", "max_utterance_duration"),
+                     ("quadratic_duration", "quadratic_duration"), ("output_frame_rate", "output_frame_rate"),
+                     ("duration_tolerance", "duration_tolerance")]:
+        if getattr(a, arg) is not None:
+            cfg = replace(cfg, **{key: getattr(a, arg)})
+    tokenizer = None
+    tok_path = a.tokenizer or (cfg.tokenizer if a.config and cfg.tokenizer and os.path.exists(cfg.tokenizer) else "")
+    try:
+        if tok_path:
+            from ddptrain.data.tokenizer import CharTokenizer
+
+            tokenizer = CharTokenizer.load(tok_path)
+        report = validate_manifest(a.manifests, cfg, tokenizer, decode=a.decode or None,
+                                   num_threads=a.threads, policy="skip")
+    except DataError as e:  # unreadable manifest or tokenizer file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report.summary() if a.quiet else str(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
