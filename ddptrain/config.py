@@ -44,6 +44,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5  # abort after this many consecutive non-finite steps
     device: str = "auto"  # auto (cuda:LOCAL_RANK if available else cpu) | cpu | cuda
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower; for bitwise tests)
+    compile: bool = False  # torch.compile the (DDP-wrapped) model for training steps
     fp16_init_scale: float = 65536.0  # GradScaler initial loss scale
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these

@@ -83,6 +83,8 @@ class Trainer:
             self.recomputed = apply_recompute(model, config.recompute)
         self.module = model
         self.model = self._wrap_ddp(model) if self.info.distributed else model
+        if t.compile:  # after DDP: its optimizer splits the graph at bucket boundaries to overlap comms
+            self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(model, config.optim, self.device)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
@@ -188,19 +190,23 @@ class Trainer:
             loss_acc += loss_sum.detach().double()
             units_acc += torch.as_tensor(units, device=self.device).double()
 
-        # One small all-reduce: global loss sum, global unit count, and the preemption flag.
-        flags = torch.stack([loss_acc, units_acc, torch.tensor(float(self._stop_requested), dtype=torch.float64,
-                                                               device=self.device)])
+        # DDP has all-reduced the gradients, so every rank holds the same ones and the same norm.
+        self.precision.unscale_(self.optimizer)  # fp16: true (unscaled) gradients from here on
+        grads = [p.grad for p in self.params if p.grad is not None]
+        raw_norm = (torch.nn.utils.get_total_norm(grads, foreach=True).double() if grads
+                    else torch.zeros((), dtype=torch.float64, device=self.device))
+        # One small all-reduce and one host sync per step: global loss sum, global unit count,
+        # the preemption flag, and the (identical on every rank) gradient norm.
+        stop = torch.tensor(float(self._stop_requested), dtype=torch.float64, device=self.device)
+        flags = torch.stack([loss_acc, units_acc, stop, raw_norm.to(self.device)])
         if self.info.distributed:
             torch.distributed.all_reduce(flags)
-        loss_sum, units, preempt = flags.tolist()
+        loss_sum, units, preempt, norm_sum = flags.tolist()
 
         # DDP averaged the per-rank gradients of (unit_scale * loss_sum); the true gradient of the
         # step is sum_over_ranks(grad of loss_sum) / global_units.
-        self.precision.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params if p.grad is not None]
         factor = self.info.world_size / (max(units, 1e-12) * self.unit_scale)
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True).item() * factor if grads else 0.0
+        norm = norm_sum / self.info.world_size * factor
         finite = math.isfinite(norm) and math.isfinite(loss_sum) and units > 0
         clip = self.cfg.trainer.clip_grad_norm
         if finite and clip > 0 and norm > clip:
