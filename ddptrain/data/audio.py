@@ -11,6 +11,7 @@ message names the file: the dataset adds the manifest line and utterance id on t
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,6 +44,8 @@ def audio_info(path: str) -> AudioInfo:
     Raises:
         AudioError: missing file or a header libsndfile cannot parse.
     """
+    if not os.path.isfile(path):
+        raise AudioError(f"audio file not found: {path}")
     try:
         info = sf.info(path)
     except FileNotFoundError:
@@ -76,6 +79,8 @@ def load_audio(
         AudioError: missing or corrupt file, an empty result, a slice past the end of the
             file, or non-finite samples (a float WAV full of NaN must not reach the model).
     """
+    if not os.path.isfile(path):  # libsndfile would only say "System error"
+        raise AudioError(f"audio file not found: {path}")
     try:
         with sf.SoundFile(path) as f:
             sr, total = f.samplerate, f.frames
