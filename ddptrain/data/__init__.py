@@ -18,23 +18,35 @@ example, bad-data policy), ``collate.py`` (padding, batch keys), ``loader.py``
 ``synthetic.py`` (a generated corpus for tests and benchmarks), ``config.py`` (DataConfig).
 """
 
-from ddptrain.data.audio import AudioError, AudioInfo, audio_info, load_audio, resample
-from ddptrain.data.collate import SpeechCollator, lengths_to_padding_mask
-from ddptrain.data.config import DataConfig
-from ddptrain.data.dataset import BadExample, SpeechDataset
-from ddptrain.data.errors import DataError, Problem
-from ddptrain.data.features import BatchFeatureExtractor, compute_global_stats, spec_augment
-from ddptrain.data.loader import build_dataloader
-from ddptrain.data.manifest import ManifestEntry, load_manifest, parse_manifest
-from ddptrain.data.sampler import DurationBucketSampler
-from ddptrain.data.synthetic import write_synthetic_corpus
-from ddptrain.data.tokenizer import CharTokenizer, TokenizerError, load_or_build_tokenizer
-from ddptrain.data.validate import ValidationReport, validate_manifest
+# Exports are imported on first use (PEP 562), not here: ``python -m ddptrain.data.validate``
+# and ``python -m ddptrain.data.features`` would otherwise find their module already imported
+# by this package and run it twice (runpy's RuntimeWarning), and ``import ddptrain`` stays cheap.
+_EXPORTS = {
+    "AudioError": "audio", "AudioInfo": "audio", "audio_info": "audio", "load_audio": "audio", "resample": "audio",
+    "SpeechCollator": "collate", "lengths_to_padding_mask": "collate",
+    "DataConfig": "config",
+    "BadExample": "dataset", "SpeechDataset": "dataset",
+    "DataError": "errors", "Problem": "errors",
+    "BatchFeatureExtractor": "features", "compute_global_stats": "features", "spec_augment": "features",
+    "build_dataloader": "loader",
+    "ManifestEntry": "manifest", "load_manifest": "manifest", "parse_manifest": "manifest",
+    "DurationBucketSampler": "sampler",
+    "write_synthetic_corpus": "synthetic",
+    "CharTokenizer": "tokenizer", "TokenizerError": "tokenizer", "load_or_build_tokenizer": "tokenizer",
+    "ValidationReport": "validate", "validate_manifest": "validate",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "AudioError", "AudioInfo", "BadExample", "BatchFeatureExtractor", "CharTokenizer", "DataConfig",
-    "DataError", "DurationBucketSampler", "ManifestEntry", "Problem", "SpeechCollator", "SpeechDataset",
-    "TokenizerError", "ValidationReport", "audio_info", "build_dataloader", "compute_global_stats",
-    "lengths_to_padding_mask", "load_audio", "load_manifest", "load_or_build_tokenizer", "parse_manifest",
-    "resample", "spec_augment", "validate_manifest", "write_synthetic_corpus",
-]
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(f"ddptrain.data.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ddptrain.data' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
