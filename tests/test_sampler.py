@@ -336,3 +336,23 @@ def test_two_reshards_in_one_epoch_stay_exact_and_resume_after_the_second():
         s.load_state_dict({**st, "rank": r})
         rest += [i for b in s for i in b]
     assert sorted(consumed + rest) == list(range(len(DURS)))
+
+
+def test_a_reshard_does_not_leak_into_the_next_epoch_when_the_trainer_advances_the_epoch():
+    kw = dict(max_duration=150, seed=4)
+    s = DurationBucketSampler(DURS, world_size=4, rank=0, **kw)
+    s.set_epoch(0)
+    it = iter(s)
+    next(it)
+    st = s.state_dict()
+    n = DurationBucketSampler(DURS, world_size=2, rank=0, **kw)
+    n.load_state_dict(st)  # resharded epoch 0 ...
+    list(n)
+    st = n.state_dict()
+    assert st["reshard_history"]
+    st.update(epoch=1, position=0)  # ... the Trainer saves at the epoch boundary
+    m = DurationBucketSampler(DURS, world_size=2, rank=0, **kw)
+    m.load_state_dict(st)
+    fresh = DurationBucketSampler(DURS, world_size=2, rank=0, **kw)
+    fresh.set_epoch(1)
+    assert list(m) == list(fresh)

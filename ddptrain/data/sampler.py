@@ -150,7 +150,10 @@ class DurationBucketSampler(Sampler):
         self._fingerprint = hashlib.blake2b(np.round(d, 4).tobytes(), digest_size=8).hexdigest()
 
         self.epoch = 0
-        self._history: list[tuple[int, int]] = []  # reshards of this epoch: (old world size, position)
+        # reshards of the current epoch: (epoch, old world size, position at the reshard). The
+        # epoch is stored with each entry because a Trainer may save at an epoch boundary with
+        # state["epoch"] already advanced: an old epoch's reshard must not bend the new epoch's plan.
+        self._history: list[tuple[int, int, int]] = []
         self._resume_position: Optional[int] = None  # set by load_state_dict, used by the next __iter__
         self._position = 0  # batches handed out by the current iteration (runs ahead of training)
         self._plan_cache: Optional[tuple] = None
@@ -219,7 +222,7 @@ class DurationBucketSampler(Sampler):
             return self._plan_cache[1]
         batches = self._base_batches(self.epoch)
         done = 0
-        for old_world, old_pos in self._history:
+        for _, old_world, old_pos in self._history:
             # what the old ranks had not reached yet, minus filler (copies/empties of the old tail)
             adj, filler, _ = _fit_to_ranks(batches, old_world, self.tail)
             start = (old_pos - done) * old_world
@@ -320,7 +323,7 @@ class DurationBucketSampler(Sampler):
         try:
             version = s.pop("version")
             epoch, position = int(s.pop("epoch")), int(s.pop("position"))
-            history = [(int(w), int(p)) for w, p in s.pop("reshard_history")]
+            history = [(int(e), int(w), int(p)) for e, w, p in s.pop("reshard_history")]
             world_size, rank = int(s.pop("world_size")), int(s.pop("rank"))
             saved = {k: s.pop(k) for k in self._settings()}
         except KeyError as e:
@@ -338,7 +341,7 @@ class DurationBucketSampler(Sampler):
             raise ValueError(f"sampler state is for rank {rank} but this sampler is rank {self.rank} "
                              f"(each rank must load its own state)")
         self.epoch = epoch
-        self._history = history
+        self._history = history = [h for h in history if h[0] == epoch]
         if world_size != self.world_size:
             # reshard: the old ranks' remaining batches are re-dealt over this world size
             old = DurationBucketSampler.__new__(DurationBucketSampler)
@@ -347,7 +350,7 @@ class DurationBucketSampler(Sampler):
             self._check_position(old, position)
             log.info("resharding sampler state of epoch %d from world size %d to %d at batch %d",
                      epoch, world_size, self.world_size, position)
-            self._history = history + [(world_size, position)]
+            self._history = history + [(epoch, world_size, position)]
         self._plan_cache = None
         self._check_position(self, position)
         self._resume_position = position
