@@ -16,8 +16,8 @@ readable and ours):
 3. Each recomputed tensor is handed out once and then dropped, so recomputed memory is freed as
    backward consumes it.
 
-The autograd graph is the original one: there is no second backward and no extra autograd
-Function around the region, so parameters get their gradient exactly once (DDP's hooks see
+The autograd graph is the original one: there is no second backward and no autograd Function
+wrapped around the region, so parameters get their gradient exactly once (DDP's hooks see
 nothing unusual, no_sync works), inputs need not require grad, keyword arguments are fine and any
 output structure (tuple, dict, ``ModelOutput``) passes through untouched.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -35,7 +36,8 @@ from torch import nn
 if TYPE_CHECKING:  # only its attributes are read; keeps this module free of the YAML stack
     from ddptrain.config import RecomputeConfig
 
-__all__ = ["checkpoint", "apply_recompute", "remove_recompute", "SavedBytes", "saved_activation_bytes"]
+__all__ = ["checkpoint", "apply_recompute", "remove_recompute", "SavedBytes",
+           "saved_activation_bytes"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -83,7 +85,7 @@ class _Frame:
         self.num_args = len(args)
         self.tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         self.others = [None if isinstance(a, torch.Tensor) else a for a in flat]
-        dummy = torch.empty((0,), requires_grad=True)  # forces a grad_fn even if no input needs grad
+        dummy = torch.empty((0,), requires_grad=True)  # a grad_fn even if no input needs grad
         self.saver = _SaveInputs.apply(dummy, *(flat[i] for i in self.tensor_pos))
         # RNG: dropout must draw the same mask again. CUDA only if it is already initialised (a
         # CPU run must not create a CUDA context), and only for devices this region can touch.
@@ -111,6 +113,7 @@ class _Frame:
     def unpack(self, handle: _Handle) -> torch.Tensor:
         # One recomputation per backward pass (graph task): a second backward through a retained
         # graph recomputes again rather than reusing tensors the first one already consumed.
+        # (Private, but it is what torch.utils.checkpoint itself keys on; -1 outside backward.)
         gid = torch._C._current_graph_task_id()
         store = self.stores.get(gid)
         if store is None or handle.idx not in store:
@@ -140,7 +143,8 @@ class _Frame:
             return captured[-1]
 
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices, device_type="cuda"))
+            # fork_rng: the replayed draws must not move the RNG stream of the rest of training.
+            stack.enter_context(torch.random.fork_rng(self.cuda_devices, device_type="cuda"))
             torch.set_rng_state(self.cpu_rng)
             for dev, state in zip(self.cuda_devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, dev)
@@ -162,16 +166,19 @@ class _Frame:
         for i, (t, (shape, dtype, device)) in enumerate(zip(captured, self.meta)):
             if (t.shape, t.dtype, t.device) != (shape, dtype, device):
                 raise RuntimeError(
-                    f"recompute: saved tensor #{i} was {tuple(shape)} {dtype} on {device} in forward "
-                    f"but {tuple(t.shape)} {t.dtype} on {t.device} when recomputed (different "
+                    f"recompute: saved tensor #{i} was {tuple(shape)} {dtype} on {device} in "
+                    f"forward but {tuple(t.shape)} {t.dtype} on {t.device} when recomputed (other "
                     "autocast/precision or control flow between forward and backward?)")
         return {i: t for i, t in enumerate(captured) if self.handles[i]() is not None}
 
 
+@torch.compiler.disable  # dynamo cannot trace the hooks: compiled models run this region eagerly
 def checkpoint(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn(*args, **kwargs)`` keeping only its inputs for backward; recompute the rest.
 
     Under ``torch.no_grad()`` / inference nothing is saved anyway, so this is a plain call.
+    Under ``torch.compile`` the region is a graph break and runs eagerly: dynamo cannot trace
+    saved-tensor hooks that recompute, and an eager region is correct where a traced one is not.
 
     Args:
         fn: the region to checkpoint. Must be deterministic given its inputs, the RNG state and
@@ -184,7 +191,8 @@ def checkpoint(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         Whatever ``fn`` returns (any structure; it is not wrapped).
 
     Raises:
-        RuntimeError: in backward, if the recomputation saved different tensors than the forward.
+        RuntimeError: in backward, if the recomputation saved different tensors than the forward,
+            or (autograd's own error) if a tensor input was modified in place after the call.
     """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -204,7 +212,7 @@ class _RecomputeForward:
         self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = type(self.module).forward.__get__(self.module)
+        forward = functools.partial(type(self.module).forward, self.module)
         if self.module.training and torch.is_grad_enabled():
             return checkpoint(forward, *args, **kwargs)
         return forward(*args, **kwargs)  # eval / no_grad: nothing to save, nothing to recompute
@@ -253,8 +261,9 @@ def apply_recompute(model: nn.Module, cfg: "RecomputeConfig") -> list[str]:
             matched.append((name, module))
     if not matched:
         present = sorted({type(m).__name__ for m in model.modules()})[:20]
-        raise ValueError(f"recompute is enabled but no module matched module_classes={sorted(classes)} "
-                         f"name_globs={globs}; class names in this model include {present}")
+        raise ValueError(f"recompute is enabled but no module matched module_classes="
+                         f"{sorted(classes)} name_globs={globs}; class names in this model "
+                         f"include {present}")
     chosen = matched[:: cfg.every_k]
     for _, module in chosen:
         module.forward = _RecomputeForward(module)
