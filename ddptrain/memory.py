@@ -1,0 +1,183 @@
+"""Estimate the per-GPU memory of the *model state* before a run: parameters, gradients,
+optimizer state and DDP's gradient buckets, with and without ZeRO.
+
+What ddptrain keeps per trainable parameter (all fp32 "master" tensors, whatever
+``trainer.precision`` says: autocast only makes bf16/fp16 *copies* for the forward pass):
+
+=====================  =========================  =========================================
+tensor                 bytes / parameter          notes
+=====================  =========================  =========================================
+parameters             4                          every rank holds all of them (DDP)
+gradients              4                          from backward to ``zero_grad``; with
+                                                  ``dist.gradient_as_bucket_view`` they *are*
+                                                  DDP's buckets, which stay allocated
+DDP buckets            4 if not bucket view       a second copy of the gradients, only when
+                                                  ``dist.gradient_as_bucket_view: false``
+Adam(W) moments        8 / N with ``optim.zero``  ``exp_avg`` + ``exp_avg_sq``; ZeRO gives each
+                       (else 8)                   rank the state of ~1/N of the parameters
+SGD momentum           4 / N (else 4)             0 without momentum
+=====================  =========================  =========================================
+
+So plain DDP + AdamW costs 16 B/parameter on every rank, and ZeRO over N ranks
+``8 + 8/N`` (12 B on 2 GPUs). Activations come on top and depend on the batch; so do the
+*transient* bf16/fp16 weight copies autocast makes in the forward pass (2 B/parameter, kept
+until backward has used them), reported separately as ``autocast_weight_copies``.
+
+Given a model (not only a parameter count) the estimate uses the real dtypes, counts frozen
+parameters as parameters only, and reproduces ZeroRedundancyOptimizer's greedy partition so the
+optimizer figure is that of the most loaded rank.
+
+Command line::
+
+    python -m ddptrain.memory --params 1.54e9 --world-size 2 --zero
+    python -m ddptrain.memory --params 315e6 --world-size 8 --optim sgd --no-bucket-view
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+_ADAM = ("adam", "adamw")
+
+
+def _state_bytes_per_param(cfg) -> int:
+    """Optimizer state bytes per fp32 trainable parameter (before ZeRO sharding)."""
+    name = cfg.optim.name.lower()
+    if name in _ADAM:
+        return 8  # exp_avg + exp_avg_sq, fp32 (the step counter is one scalar per tensor)
+    if name == "sgd":
+        return 4 if cfg.optim.momentum else 0
+    raise ValueError(f"optim.name={cfg.optim.name!r}: no memory rule for this optimizer")
+
+
+def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int:
+    """Largest per-rank element count under ZeroRedundancyOptimizer's greedy partition
+    (each group's tensors largest first, each to the rank with the smallest total so far)."""
+    totals = [0] * world_size
+    for sizes in sizes_by_group:
+        for n in sorted(sizes, reverse=True):
+            r = totals.index(min(totals))
+            totals[r] += n
+    return max(totals)
+
+
+def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=None,
+                         world_size: int = 1) -> dict:
+    """Per-GPU bytes of the model state a ddptrain run holds.
+
+    Args:
+        model_or_num_params: the model (exact: real dtypes, frozen parameters, ZeRO partition),
+            or a parameter count (all trainable, fp32, ZeRO shard = ceil(count / N)).
+        cfg: a :class:`ddptrain.Config` (``optim.name``, ``optim.momentum``, ``optim.zero``,
+            ``dist.gradient_as_bucket_view``, ``trainer.precision`` are read); default: defaults.
+        world_size: number of ranks (DDP and ZeRO only act when > 1).
+
+    Returns:
+        dict of bytes: ``params``, ``grads``, ``optimizer``, ``ddp_buckets``, ``total`` (their
+        sum), the transient ``autocast_weight_copies``, plus ``num_params`` and
+        ``num_trainable`` (counts).
+
+    Raises:
+        ValueError: world_size < 1, a negative parameter count, or an optimizer with no rule.
+    """
+    if cfg is None:
+        from ddptrain.config import Config
+
+        cfg = Config()
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    zero = bool(cfg.optim.zero) and world_size > 1  # the Trainer ignores optim.zero on one rank
+    ddp = world_size > 1
+    per_state = _state_bytes_per_param(cfg)
+
+    if isinstance(model_or_num_params, nn.Module):
+        from ddptrain.optim import param_groups
+
+        model = model_or_num_params
+        params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
+        trainable = [p for p in params if p.requires_grad]
+        num_params = sum(p.numel() for p in params)
+        num_trainable = sum(p.numel() for p in trainable)
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        if zero:
+            groups = param_groups(model, cfg.optim.weight_decay)
+            shard = _zero_partition_max([[p.numel() for p in g["params"]] for g in groups], world_size)
+        else:
+            shard = num_trainable
+        # optimizer state has the parameters' dtype (fp32 master weights)
+        state_elt = trainable[0].element_size() if trainable else 4
+        opt_bytes = shard * (per_state // 4) * state_elt
+    else:
+        n = float(model_or_num_params)
+        if n < 0:
+            raise ValueError(f"number of parameters must be >= 0, got {model_or_num_params}")
+        num_params = num_trainable = int(round(n))
+        param_bytes = grad_bytes = 4 * num_params
+        shard = -(-num_trainable // world_size) if zero else num_trainable
+        opt_bytes = per_state * shard
+
+    buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view else 0
+    autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") else 0
+    # frozen weights are cast too, but count the trainable ones: a frozen feature encoder's
+    # casts are freed as soon as its (gradient-free) forward is done
+    return {
+        "params": int(param_bytes),
+        "grads": int(grad_bytes),
+        "optimizer": int(opt_bytes),
+        "ddp_buckets": int(buckets),
+        "total": int(param_bytes + grad_bytes + opt_bytes + buckets),
+        "autocast_weight_copies": int(autocast),
+        "num_params": int(num_params),
+        "num_trainable": int(num_trainable),
+    }
+
+
+def format_table(est: dict, title: str = "") -> str:
+    """A small fixed-width table (GB = 1e9 bytes and GiB) of an :func:`estimate_model_state` result."""
+    n = max(est["num_trainable"], 1)
+    rows = [("parameters", est["params"]), ("gradients", est["grads"]), ("optimizer state", est["optimizer"]),
+            ("DDP buckets (extra)", est["ddp_buckets"]), ("total model state", est["total"]),
+            ("+ autocast copies (transient)", est["autocast_weight_copies"])]
+    lines = [title] if title else []
+    lines.append(f"{'':32s}{'GB':>10s}{'GiB':>10s}{'B/param':>10s}")
+    for name, b in rows:
+        lines.append(f"{name:32s}{b / 1e9:10.2f}{b / 2**30:10.2f}{b / n:10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddptrain.memory",
+                                description="Per-GPU model-state memory of a ddptrain run (params, grads, "
+                                            "optimizer state, DDP buckets), with or without ZeRO.")
+    p.add_argument("--params", type=float, required=True, help="number of (trainable) parameters, e.g. 1.54e9")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs)")
+    p.add_argument("--zero", action="store_true", help="optim.zero=true (shard the optimizer state)")
+    p.add_argument("--optim", default="adamw", choices=["adamw", "adam", "sgd"])
+    p.add_argument("--no-momentum", action="store_true", help="SGD without momentum")
+    p.add_argument("--no-bucket-view", action="store_true", help="dist.gradient_as_bucket_view=false")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    args = p.parse_args(argv)
+
+    from ddptrain.config import Config
+
+    cfg = Config()
+    cfg.optim.name, cfg.optim.zero = args.optim, args.zero
+    cfg.optim.momentum = 0.0 if args.no_momentum else cfg.optim.momentum
+    cfg.dist.gradient_as_bucket_view = not args.no_bucket_view
+    cfg.trainer.precision = args.precision
+    est = estimate_model_state(args.params, cfg, args.world_size)
+    title = (f"{args.params:.3g} parameters, {args.world_size} GPU(s), optim={args.optim}"
+             f"{' + ZeRO' if cfg.optim.zero and args.world_size > 1 else ''}, precision={args.precision}"
+             f"{', gradient_as_bucket_view=false' if args.no_bucket_view else ''} (per GPU)")
+    print(format_table(est, title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

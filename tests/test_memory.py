@@ -1,0 +1,138 @@
+"""The model-state memory estimator (ddptrain/memory.py): the formula, the model path against
+real optimizer state (plain and ZeRO on 2 gloo ranks), and the CLI table."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ddptrain
+from _dist import run_ranks
+from ddptrain.memory import estimate_model_state, main
+
+
+def _cfg(*overrides):
+    return ddptrain.load_config(None, list(overrides))
+
+
+def _state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)  # the 0-d step counters are not state memory
+
+
+class Net(nn.Module):
+    """Tied embedding/output weights, a frozen front end, norms and biases (two param groups)."""
+
+    def __init__(self):
+        super().__init__()
+        self.front = nn.Linear(7, 16)
+        self.front.requires_grad_(False)
+        self.emb = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16))
+        self.out = nn.Linear(16, 50, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x, tok):
+        return self.out(self.body(self.front(x) + self.emb(tok)))
+
+
+def test_count_formula_plain_ddp_and_zero():
+    n = 1_000_000
+    one = estimate_model_state(n, _cfg(), world_size=1)
+    assert (one["params"], one["grads"], one["optimizer"], one["ddp_buckets"]) == (4 * n, 4 * n, 8 * n, 0)
+    assert one["total"] == 16 * n
+    # ZeRO on one rank is not used by the Trainer: same as plain
+    assert estimate_model_state(n, _cfg("optim.zero=true"), 1)["total"] == 16 * n
+    z2 = estimate_model_state(n, _cfg("optim.zero=true"), 2)
+    assert z2["optimizer"] == 4 * n and z2["total"] == 12 * n
+    z8 = estimate_model_state(n, _cfg("optim.zero=true"), 8)
+    assert z8["optimizer"] == n and z8["total"] == 9 * n
+    # the published rule for Whisper-large-v3: 1.54e9 * 16 B = 24.64 GB plain, 18.48 GB ZeRO/2
+    assert estimate_model_state(1.54e9, _cfg(), 2)["total"] == pytest.approx(24.64e9)
+    assert estimate_model_state(1.54e9, _cfg("optim.zero=true"), 2)["total"] == pytest.approx(18.48e9)
+
+
+def test_bucket_view_sgd_and_autocast_rules():
+    n = 1000
+    no_view = _cfg("dist.gradient_as_bucket_view=false")
+    assert estimate_model_state(n, no_view, 2)["ddp_buckets"] == 4 * n
+    assert estimate_model_state(n, no_view, 1)["ddp_buckets"] == 0  # no DDP on one rank
+    assert estimate_model_state(n, _cfg("optim.name=sgd"), 1)["optimizer"] == 4 * n
+    assert estimate_model_state(n, _cfg("optim.name=sgd", "optim.momentum=0.0"), 1)["optimizer"] == 0
+    assert estimate_model_state(n, _cfg("trainer.precision=bf16"), 1)["autocast_weight_copies"] == 2 * n
+    assert estimate_model_state(n, _cfg("trainer.precision=fp32"), 1)["autocast_weight_copies"] == 0
+    with pytest.raises(ValueError):
+        estimate_model_state(n, _cfg(), 0)
+    with pytest.raises(ValueError):
+        estimate_model_state(-1, _cfg(), 1)
+
+
+def test_model_path_matches_real_adamw_state():
+    torch.manual_seed(0)
+    model = Net()
+    est = estimate_model_state(model, _cfg(), 1)
+    unique = {id(p): p for p in model.parameters()}.values()
+    assert est["num_params"] == sum(p.numel() for p in unique)
+    assert est["num_trainable"] == est["num_params"] - sum(p.numel() for p in model.front.parameters())
+    assert est["params"] == 4 * est["num_params"]
+    assert est["grads"] == 4 * est["num_trainable"]
+
+    from ddptrain.optim import build_optimizer
+
+    opt = build_optimizer(model, _cfg().optim, torch.device("cpu"))
+    out = model(torch.randn(4, 7), torch.randint(0, 50, (4,)))
+    out.square().sum().backward()
+    opt.step()
+    assert _state_bytes(opt) == est["optimizer"]
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in unique if p.grad is not None)
+    assert grads == est["grads"]
+
+
+def test_model_path_uses_real_dtypes():
+    model = Net().to(torch.bfloat16)
+    est = estimate_model_state(model, _cfg(), 1)
+    assert est["params"] == 2 * est["num_params"]
+    assert est["optimizer"] == 4 * est["num_trainable"]  # two bf16 moments
+
+
+def _zero_state_worker(rank, world, out):
+    torch.manual_seed(0)
+    model = Net()
+    cfg = _cfg("optim.zero=true", "trainer.device=cpu")
+    ddptrain.setup_distributed(cfg)
+    from ddptrain.optim import build_optimizer
+
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    out_ = model(torch.randn(4, 7), torch.randint(0, 50, (4,)))
+    out_.square().sum().backward()
+    opt.step()
+    local = torch.tensor([_state_bytes(opt.optim)])
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    torch.distributed.all_gather(gathered, local)
+    if rank == 0:
+        est = estimate_model_state(model, cfg, world)
+        torch.save({"per_rank": [int(g) for g in gathered], "est": est}, os.path.join(out, "zero.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_zero_estimate_is_the_most_loaded_rank(tmp_path):
+    run_ranks(_zero_state_worker, 2, str(tmp_path))
+    res = torch.load(tmp_path / "zero.pt", weights_only=False)
+    per_rank, est = res["per_rank"], res["est"]
+    assert sum(per_rank) == 8 * est["num_trainable"]  # every moment lives on exactly one rank
+    assert max(per_rank) == est["optimizer"]
+    assert est["optimizer"] < 8 * est["num_trainable"]
+
+
+def test_cli_prints_table(capsys):
+    assert main(["--params", "1.54e9", "--world-size", "2", "--zero"]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO" in text and "2 GPU(s)" in text
+    total = next(line for line in text.splitlines() if line.startswith("total model state"))
+    assert total.split()[3] == "18.48"  # GB column
+    assert main(["--params", "315e6"]) == 0
+    total = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("total model state"))
+    assert total.split()[3] == "5.04"
