@@ -13,7 +13,6 @@ import os
 from typing import Optional, Sequence
 
 import numpy as np
-import soundfile as sf
 
 _WORDS = ("the", "a", "speech", "model", "data", "train", "sound", "quick", "brown", "fox", "jumps",
           "over", "lazy", "dog", "hello", "world", "seven", "blue", "river", "light")
@@ -64,6 +63,8 @@ def write_synthetic_corpus(
     Returns:
         The manifest path.
     """
+    import soundfile as sf  # here, so the waveform helpers work where soundfile is not installed
+
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(folder, "audio"), exist_ok=True)
     manifest = os.path.join(folder, manifest_name)
