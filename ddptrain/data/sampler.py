@@ -157,6 +157,7 @@ class DurationBucketSampler(Sampler):
         self._resume_position: Optional[int] = None  # set by load_state_dict, used by the next __iter__
         self._position = 0  # batches handed out by the current iteration (runs ahead of training)
         self._plan_cache: Optional[tuple] = None
+        self._stats_cache: Optional[tuple] = None
 
     # ------------------------------------------------------------------ buckets
     def _cost(self, d):
@@ -375,6 +376,9 @@ class DurationBucketSampler(Sampler):
             ``split_batches``, ``empty_batches``.
         """
         adj, _, info, _ = self._plan()
+        key = (self.epoch, tuple(self._history), self.world_size)
+        if self._stats_cache is not None and self._stats_cache[0] == key:
+            return dict(self._stats_cache[1])  # the Trainer asks at every log step: O(N) once per epoch
         sizes = np.array([b.size for b in adj], dtype=np.int64)
         nonempty = sizes[sizes > 0]
         longest = np.zeros(0)
@@ -386,7 +390,7 @@ class DurationBucketSampler(Sampler):
             real = float(d.sum())
         padded = float((nonempty * longest).sum())
         cost = nonempty * self._cost(longest)
-        return {
+        stats = {
             "padding_fraction": 1.0 - real / padded if padded else 0.0,
             "budget_fill": float(cost.mean() / self.max_duration) if cost.size else 0.0,
             "batch_size_mean": float(sizes.mean()) if sizes.size else 0.0,
@@ -397,6 +401,8 @@ class DurationBucketSampler(Sampler):
             "num_utterances": int(sizes.sum()),
             **info,
         }
+        self._stats_cache = (key, stats)
+        return dict(stats)
 
     def __repr__(self) -> str:
         return (f"DurationBucketSampler(utterances={self.durations.size}, max_duration={self.max_duration}, "
