@@ -39,7 +39,7 @@ class DataConfig:
     num_buckets: int = 30  # duration buckets (equal total duration per bucket)
     bucket_sort_pool: int = 8  # sort shuffled utterances in pools of this many batches (less padding); 0 = off
     shuffle: bool = True  # shuffle within buckets and across batches (seed + epoch)
-    tail: str = "split"  # split | duplicate | drop: how batch counts are made equal across ranks
+    tail: str = "split"  # split | duplicate | drop: equal batch counts on all ranks (sampler.py; eval: exact)
     seed: int = 0  # sampler seed (same on every rank)
     # --- loading
     num_workers: int = 2  # DataLoader worker processes
