@@ -45,8 +45,10 @@ of ``world_size`` ``W``:
 Resume in O(1): the plan is rebuilt from the seed (milliseconds, durations only; no audio is
 read) and iteration starts at batch ``position``. A state saved with another world size is
 *resharded exactly*: the batches the old ranks had not reached are re-dealt over the new ranks
-(each utterance of the epoch is still seen once under ``split``/``exact``). Other differences
-(seed, data set, budget, buckets, ...) are an error that names the field.
+(each utterance of the epoch is still seen once under ``split``/``exact``); ``position`` keeps
+counting the epoch's steps from its start, and ``len()`` of that one epoch becomes (steps done
+before) + (the rest re-dealt), so a Trainer should re-read ``len(sampler)`` after loading. Other
+differences (seed, data set, budget, buckets, ...) are an error that names the field.
 """
 
 from __future__ import annotations
