@@ -194,3 +194,35 @@ def to_yaml(cfg: Any) -> str:
 def config_to_dict(cfg: Any) -> dict:
     """Plain-dict view of a config dataclass (for logging hyper-parameters)."""
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
+def reference_markdown(schema: type = Config) -> str:
+    """A Markdown table of every config key, its default and its comment (for the README).
+
+    The comments are read from the dataclass source, so the README reference cannot drift from
+    the code: ``python -m ddptrain.config`` regenerates it, and a test checks it is current.
+    """
+    import inspect
+    import re
+
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(cls, prefix):
+        comments = {}
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+):.*?#\s*(.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2).replace("|", "\\|")
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+            else:
+                rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {comments.get(f.name, '')} |")
+
+    walk(schema, "")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

@@ -89,6 +89,9 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
 
+        _shield_workers_from_signals(train_data, config.trainer.preempt_signals)
+        if eval_data is not None:
+            _shield_workers_from_signals(eval_data, config.trainer.preempt_signals)
         self.batches_per_epoch = len(train_data)
         if self.batches_per_epoch == 0:
             raise ValueError("train_data is empty on rank %d" % self.info.rank)
@@ -104,6 +107,7 @@ class Trainer:
         self.skipped_steps = 0
         self.last_eval: dict = {}
         self._preempted = False
+        self._last_saved_step = -1
         self._resume_rng: Optional[dict] = None
         self._resume()
         self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main, self.total_steps, self.step)
@@ -125,6 +129,7 @@ class Trainer:
         t, c = self.cfg.trainer, self.cfg.checkpoint
         handlers = self._install_signal_handlers(t.preempt_signals)
         window = {"loss": 0.0, "units": 0.0, "time": time.perf_counter(), "wait": 0.0, "steps": 0}
+        batches = None
         try:
             while self.step < self.total_steps:
                 batches = self._epoch_iterator()
@@ -163,10 +168,13 @@ class Trainer:
                 raise SystemExit(t.preempt_exit_code)
             if self.eval_data is not None and (t.eval_every <= 0 or self.step % t.eval_every != 0):
                 self.evaluate()
-            if c.save_at_end:
+            if c.save_at_end and self._last_saved_step != self.step:
                 self.save()
             return self.last_eval
         finally:
+            # Drop the DataLoader iterator now, so its workers shut down cleanly even when an
+            # exception (whose traceback keeps this frame alive) is on its way out of the process.
+            batches = None  # noqa: F841
             self._restore_signal_handlers(handlers)
             self.logger.close()
 
@@ -236,17 +244,21 @@ class Trainer:
         """
         self.module.eval()
         sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
-        for batch in self.eval_data:
-            batch = _to_device(batch, self.device)
-            with self.precision.autocast():
-                loss_sum, units = self.loss_fn(self.module, batch)
-                extra = self.metrics_fn(self.module, batch) if self.metrics_fn else {}
-            sums["loss"][0] += float(loss_sum)
-            sums["loss"][1] += float(units)
-            for k, (num, den) in extra.items():
-                acc = sums.setdefault(k, [0.0, 0.0])
-                acc[0] += float(num)
-                acc[1] += float(den)
+        batches = iter(self.eval_data)
+        try:
+            for batch in batches:
+                batch = _to_device(batch, self.device)
+                with self.precision.autocast():
+                    loss_sum, units = self.loss_fn(self.module, batch)
+                    extra = self.metrics_fn(self.module, batch) if self.metrics_fn else {}
+                sums["loss"][0] += float(loss_sum)
+                sums["loss"][1] += float(units)
+                for k, (num, den) in extra.items():
+                    acc = sums.setdefault(k, [0.0, 0.0])
+                    acc[0] += float(num)
+                    acc[1] += float(den)
+        finally:
+            batches = None  # shut workers down now, even on an exception (see fit)
         # the same names in the same order on every rank, even one that had no eval batches
         names = sorted(set().union(*dist.all_gather_object(sorted(sums))))
         flat = dist.all_reduce_sum([v for k in names for v in sums.get(k, [0.0, 0.0])], self.device)
@@ -284,6 +296,7 @@ class Trainer:
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
         path = ckpt.save_checkpoint(self.ckpt_root, self.step, self.module, trainer_state, rank_state,
                                     shard, meta, self.device)
+        self._last_saved_step = self.step
         if self.info.is_main:
             ckpt.prune(self.ckpt_root, c.keep_last, c.keep_best, c.best_metric, c.best_mode)
             self.logger.print(f"saved {path}")
@@ -321,7 +334,7 @@ class Trainer:
         if sampler is not None and state["rank"]["sampler"] is not None:
             saved = dict(state["rank"]["sampler"], epoch=self.epoch, position=self.batches_done)
             sampler.load_state_dict(saved)
-        # RNG is restored after the first DataLoader iterator exists: creating one draws a seed
+        # restored when the first epoch iterator is made (see _epoch_iterator)
         self._resume_rng = state["rank"]["rng"]
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step} (epoch {self.epoch}, batch {self.batches_done})")
@@ -347,22 +360,27 @@ class Trainer:
         return None
 
     def _epoch_iterator(self) -> Iterator:
-        """This epoch's batches, starting after the ones already consumed (on resume)."""
-        sampler = self._stateful_sampler()
-        plain = getattr(self.train_data, "sampler", None)
-        if sampler is not None:
-            if self.batches_done == 0:
-                sampler.set_epoch(self.epoch)
-            it = iter(self.train_data)  # a resumed stateful sampler starts at its saved position
-        else:
-            if hasattr(plain, "set_epoch"):
-                plain.set_epoch(self.epoch)
-            it = iter(self.train_data)
-            for _ in range(self.batches_done):  # generic loaders: skip what was consumed (O(k))
-                next(it)
+        """This epoch's batches, starting after the ones already consumed (on resume).
+
+        Creating a DataLoader iterator draws a worker seed from the global torch RNG. It is done
+        inside ``fork_rng`` so it does not move the RNG that dropout uses: then a run resumed
+        from a checkpoint sees exactly the random stream of the uninterrupted run, whether the
+        checkpoint was taken mid-epoch or at an epoch boundary.
+        """
         if self._resume_rng is not None:
             ckpt.set_rng_state(self._resume_rng)
             self._resume_rng = None
+        sampler = self._stateful_sampler()
+        plain = getattr(self.train_data, "sampler", None)
+        if sampler is not None and self.batches_done == 0:
+            sampler.set_epoch(self.epoch)  # a resumed stateful sampler starts at its saved position
+        elif sampler is None and hasattr(plain, "set_epoch"):
+            plain.set_epoch(self.epoch)
+        with torch.random.fork_rng(devices=[]):
+            it = iter(self.train_data)
+            if sampler is None:
+                for _ in range(self.batches_done):  # generic loaders: skip what was consumed (O(k))
+                    next(it)
         return it
 
     def _check_nonfinite(self, norm: float, stepped: bool, loss_sum: float, micro_batches: list) -> None:
@@ -384,9 +402,14 @@ class Trainer:
             self.logger.print(f"step {self.step + 1}: non-finite loss/gradient, step skipped on all ranks "
                               f"({self.nonfinite_in_row} in a row){ids}")
         if self.nonfinite_in_row >= t.max_nonfinite_steps:
+            # every rank saw the same all-reduced values, so all of them arrive here together;
+            # skipped steps left the parameters untouched: this is the last good state
+            self.step += 1
+            self.batches_done += len(micro_batches)
+            self.save()
             raise TrainingError(f"{self.nonfinite_in_row} consecutive non-finite steps (limit "
-                                f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}) at step {self.step + 1}; "
-                                f"last complete checkpoint: {ckpt.find_latest(self.ckpt_root)}")
+                                f"trainer.max_nonfinite_steps={t.max_nonfinite_steps}) at step {self.step}; "
+                                f"saved the last good state as: {ckpt.find_latest(self.ckpt_root)}")
         if self.precision.mode == "fp16" and self.precision.loss_scale() < t.fp16_min_scale:
             raise TrainingError(f"fp16 loss scale collapsed to {self.precision.loss_scale():.3g} (< "
                                 f"trainer.fp16_min_scale={t.fp16_min_scale}) at step {self.step + 1}: the "
@@ -438,6 +461,31 @@ class Trainer:
     def _restore_signal_handlers(old: dict) -> None:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _shield_workers_from_signals(loader: Any, names: list[str]) -> None:
+    """Make DataLoader workers ignore the preemption signals.
+
+    A cluster often signals the whole process group. A worker killed by SIGTERM makes the main
+    process's next ``next(loader)`` raise, which would turn an orderly preemption save into a
+    crash; the main process alone decides when to stop.
+    """
+    if not hasattr(loader, "worker_init_fn") or getattr(loader, "num_workers", 0) == 0:
+        return
+    loader.worker_init_fn = _IgnoreSignalsThen(names, loader.worker_init_fn)
+
+
+class _IgnoreSignalsThen:
+    """Picklable worker_init_fn: ignore ``names``, then call the user's own init function."""
+
+    def __init__(self, names: list[str], inner: Optional[Callable]):
+        self.names, self.inner = list(names), inner
+
+    def __call__(self, worker_id: int) -> None:
+        for name in self.names:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -277,9 +277,14 @@ def test_consecutive_nonfinite_steps_abort(tmp_path):
 
     cfg = make_cfg(tmp_path, "trainer.max_steps=10", "trainer.max_nonfinite_steps=3")
     trainer = ddptrain.Trainer(FrameMLP(), always_nan, cfg, [b for mb in micro_batches(5) for b in mb])
-    with pytest.raises(ddptrain.TrainingError, match="3 consecutive non-finite"):
+    start = params_of(trainer.model)
+    with pytest.raises(ddptrain.TrainingError, match="3 consecutive non-finite.*step_00000003"):
         trainer.fit()
-    assert trainer.step == 2  # aborted during the third step
+    assert trainer.step == 3  # aborted at the third step, after saving the last good state
+    reloaded = FrameMLP()
+    ckpt.load_weights(reloaded, str(tmp_path / "checkpoints" / "step_00000003"))
+    for k, v in params_of(reloaded).items():
+        assert torch.equal(v, start[k]), "the saved state is not the last good (untouched) one"
 
 
 def test_error_in_loss_names_rank_step_and_utterances(tmp_path):
