@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import faulthandler
+import gc
 import functools
 import time
 
@@ -71,7 +73,7 @@ def _grads(model: nn.Module, loss_fn, seed: int = 0, inputs=()) -> dict[str, tor
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     grads.update({f"input{i}": t.grad.clone() for i, t in enumerate(inputs)})
     grads["rng_after"] = torch.get_rng_state()  # recomputation must not move the outer RNG
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_available():  # (torch.compile may initialise CUDA between two calls)
         grads["cuda_rng_after"] = torch.cuda.get_rng_state()
     return grads
 
@@ -344,10 +346,21 @@ def test_cuda_rng_and_fp16_autocast_are_replayed():
 # ---- DDP: 2 gloo ranks, no_sync accumulation, checkpointed vs plain --------------------------
 
 
-def _ddp_worker(rank: int, world: int, init_file: str) -> None:
+def _ddp_grads(rank: int, model: nn.Module, batches: list[torch.Tensor]) -> dict:
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    for step, feats in enumerate(batches):  # accumulate the micro-batches, sync on the last
+        with contextlib.nullcontext() if step == len(batches) - 1 else ddp.no_sync():
+            torch.manual_seed(100 * rank + step)  # same dropout masks for both models
+            ddp(feats).pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _ddp_worker(rank: int, world: int, port: int) -> None:
+    faulthandler.dump_traceback_later(80, exit=True)  # a stuck rank prints where, then exits
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))  # dead peer: error, not hang
+    timeout = datetime.timedelta(seconds=60)  # a dead peer becomes an error, not a hang
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         torch.manual_seed(0)
         base = TinyTransformer().train()
@@ -355,27 +368,24 @@ def _ddp_worker(rank: int, world: int, init_file: str) -> None:
         apply_recompute(recomputed, _cfg(module_classes=["Block"]))
         gen = torch.Generator().manual_seed(rank)
         batches = [torch.randn(2, 6, 8, generator=gen) for _ in range(3)]
-        grads = []
-        for model in (base, recomputed):
-            ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-            for step, feats in enumerate(batches):  # accumulate 3 micro-batches, sync on the last
-                sync = step == len(batches) - 1
-                with contextlib.nullcontext() if sync else ddp.no_sync():
-                    torch.manual_seed(100 * rank + step)
-                    ddp(feats).pow(2).mean().backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        _assert_same(*grads)
-        flat = torch.cat([g.flatten() for g in grads[1].values()])
+        plain, ours = _ddp_grads(rank, base, batches), _ddp_grads(rank, recomputed, batches)
+        _assert_same(plain, ours)
+        flat = torch.cat([g.flatten() for g in ours.values()])
         other = flat.clone()
         dist.broadcast(other, src=0)
         assert torch.equal(flat, other), "ranks hold different gradients after the all-reduce"
+        gc.collect()  # free the DDP reducers while the process group and the peer still exist
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.timeout(120)
-def test_ddp_no_sync_accumulation_matches_plain(tmp_path):
-    ctx = mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=False,
+def test_ddp_no_sync_accumulation_matches_plain():
+    # The parent hosts the rendezvous store (port 0: the OS picks a free one, no races).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.start_processes(_ddp_worker, args=(2, store.port), nprocs=2, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + 100
     while not ctx.join(timeout=1):  # raises if a rank failed (and terminates the other rank)
