@@ -126,7 +126,8 @@ def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
     """Load safetensors weights (a file, or a checkpoint folder) into ``model``.
 
     Args:
-        path: a ``.safetensors`` file or a checkpoint folder holding ``model.safetensors``.
+        path: a ``.safetensors`` file, a checkpoint folder holding ``model.safetensors``, or a
+            run folder (its newest complete checkpoint is used).
         strict: if False, load what matches (name and shape) and report the rest: the partial
             initialisation used for fine-tuning with, say, a new output vocabulary.
 
@@ -137,6 +138,9 @@ def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
         CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
             readable diff.
     """
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
+        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
+        path = latest if latest else path
     if os.path.isdir(path):
         path = os.path.join(path, "model.safetensors")
     if not os.path.isfile(path):

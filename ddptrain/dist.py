@@ -75,14 +75,27 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto")
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = dev  # eager NCCL init: errors show up here, not at the first step
-    dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        world_size=world_size,
-        rank=rank,
-        **kwargs,
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, world_size=world_size, rank=rank,
+                            store=_restart_safe_store(rank, world_size, timeout), **kwargs)
     return DistInfo(rank, world_size, local_rank, dev, backend)
+
+
+def _restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The rendezvous store, with keys namespaced by torchrun's restart count.
+
+    After ``torchrun --max-restarts`` restarts the workers, the agent's store still holds the
+    previous attempt's keys, including the dead processes' gloo/NCCL addresses; a restarted rank
+    could read one before its peer overwrites it and fail with "Connection refused" (a race seen
+    here in about one restart in five; cf. pytorch/pytorch#167288). A fresh prefix per attempt
+    removes the race.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=(rank == 0 and not agent_store), timeout=timeout,
+                          multi_tenant=not agent_store)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ddptrain/attempt_{attempt}", store)
 
 
 def teardown() -> None:

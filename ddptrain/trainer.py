@@ -236,17 +236,24 @@ class Trainer:
                 "preempt": preempt > 0}
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Loss per unit and user metrics over the whole eval set, reduced as sums over ranks.
+    def evaluate(self, data: Optional[Iterable] = None, prefix: str = "eval") -> dict:
+        """Loss per unit and user metrics over a whole data set, reduced as sums over ranks.
 
         Uses the unwrapped module: DDP's forward may run collectives (buffer broadcast), and
-        ranks may hold different numbers of eval batches.
+        ranks may hold different numbers of eval batches (even none).
+
+        Args:
+            data: defaults to the Trainer's ``eval_data`` (whose result feeds keep-best-k);
+                pass another loader to score, say, a test set, logged under ``prefix``.
         """
+        own = data is None
         self.module.eval()
         sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
-        batches = iter(self.eval_data)
+        batches = iter(self.eval_data if own else data)
         try:
             for batch in batches:
+                if isinstance(batch, dict) and "ids" in batch and len(batch["ids"]) == 0:
+                    continue  # an empty filler batch (a rank with fewer utterances than others)
                 batch = _to_device(batch, self.device)
                 with self.precision.autocast():
                     loss_sum, units = self.loss_fn(self.module, batch)
@@ -262,11 +269,12 @@ class Trainer:
         # the same names in the same order on every rank, even one that had no eval batches
         names = sorted(set().union(*dist.all_gather_object(sorted(sums))))
         flat = dist.all_reduce_sum([v for k in names for v in sums.get(k, [0.0, 0.0])], self.device)
-        self.last_eval = {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")
-                          for i, k in enumerate(names)}
-        self.last_eval_step = self.step
-        self.logger.log(self.step, self.last_eval, prefix="eval")
-        return self.last_eval
+        result = {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan")
+                  for i, k in enumerate(names)}
+        if own:
+            self.last_eval, self.last_eval_step = result, self.step
+        self.logger.log(self.step, result, prefix=prefix)
+        return result
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -376,6 +384,7 @@ class Trainer:
             sampler.set_epoch(self.epoch)  # a resumed stateful sampler starts at its saved position
         elif sampler is None and hasattr(plain, "set_epoch"):
             plain.set_epoch(self.epoch)
+        self.batches_per_epoch = len(self.train_data)
         with torch.random.fork_rng(devices=[]):
             it = iter(self.train_data)
             if sampler is None:

@@ -1,0 +1,151 @@
+"""Fine-tune a Conformer-CTC speech recogniser with ddptrain (the README's main job).
+
+    # stage 1: train on the base voices of the shipped digits corpus
+    python examples/finetune_asr.py --config configs/asr_demo.yaml
+    # stage 2: adapt to unseen accents, starting from the stage-1 weights
+    python examples/finetune_asr.py --config configs/asr_demo_accent.yaml
+    # the same on 2 processes (CPU: gloo; GPUs: nccl), or on your own data
+    torchrun --nproc_per_node=2 examples/finetune_asr.py --config configs/asr_demo.yaml
+    python examples/finetune_asr.py --config configs/asr_demo.yaml \\
+        data.train_manifest=my/train.jsonl data.eval_manifest=my/dev.jsonl demo.test_manifests=[my/test.jsonl]
+
+Everything is in the config (see configs/*.yaml and the README's config reference); any key can
+be overridden as ``key=value``. The model lives in examples/models, not in the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ddptrain  # noqa: E402
+from ddptrain import metrics  # noqa: E402
+from ddptrain.data import build_dataloader, load_or_build_tokenizer  # noqa: E402
+from models.conformer_ctc import ConformerCTC, ConformerCTCConfig, ctc_greedy_decode  # noqa: E402
+
+
+@dataclass
+class ModelConfig(ConformerCTCConfig):
+    init_from: str = ""  # weights to start from: .safetensors file, checkpoint folder or run folder
+    init_strict: bool = True  # false: load matching tensors only (e.g. a new vocabulary)
+
+
+@dataclass
+class DemoConfig:
+    test_manifests: list[str] = field(default_factory=list)  # reported at the end (and before, if init_from)
+    report: str = "report.json"  # final WER/CER summary, written inside trainer.output_dir
+
+
+@dataclass
+class ASRConfig(ddptrain.Config):
+    model: ModelConfig = field(default_factory=ModelConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+
+
+class CTCObjective:
+    """The loss contract for CTC: (sum of per-utterance CTC losses, number of target tokens).
+
+    Also computes features on the GPU when ``data.feature_device: gpu`` (the loader then yields
+    padded audio), so training and evaluation share one path.
+    """
+
+    def __init__(self, tokenizer, feature_extractor=None):
+        self.tokenizer = tokenizer
+        self.features = feature_extractor
+
+    def _features(self, batch):
+        if self.features is None:
+            return batch["features"], batch["feature_lens"]
+        self.features.to(batch["audio"].device)
+        out = self.features(batch["audio"], batch["audio_lens"])
+        return out["features"], out["feature_lens"]
+
+    def __call__(self, model, batch):
+        feats, lens = self._features(batch)
+        log_probs, out_lens = model(feats, lens)
+        loss = torch.nn.functional.ctc_loss(
+            log_probs.float().transpose(0, 1), batch["tokens"], out_lens, batch["token_lens"],
+            blank=0, reduction="sum", zero_infinity=True)
+        return loss, batch["token_lens"].sum()
+
+    def error_counts(self, model, batch):
+        """Eval metrics as (numerator, denominator) pairs: corpus WER and CER, reduced by the Trainer."""
+        feats, lens = self._features(batch)
+        log_probs, out_lens = model(feats, lens)
+        hyps = [self.tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
+        return {"wer": metrics.word_errors(batch["texts"], hyps),
+                "cer": metrics.char_errors(batch["texts"], hyps)}
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (keys: see the README's config reference)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = ddptrain.load_config(args.config, overrides, schema=ASRConfig)
+    info = ddptrain.setup_distributed(cfg)  # samplers below need the rank and world size
+
+    tokenizer = load_or_build_tokenizer(cfg.data) if info.is_main else None
+    ddptrain.dist.barrier()  # rank 0 may have just built and saved it
+    tokenizer = tokenizer or load_or_build_tokenizer(cfg.data)
+    cfg.model.vocab_size = tokenizer.vocab_size
+    train_loader = build_dataloader(cfg.data.train_manifest, cfg.data, tokenizer, train=True)
+    eval_loader = (build_dataloader(cfg.data.eval_manifest, cfg.data, tokenizer, train=False)
+                   if cfg.data.eval_manifest else None)
+
+    torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and every run
+    model = ConformerCTC(cfg.model)
+    if cfg.model.init_from:
+        report = ddptrain.load_weights(model, cfg.model.init_from, strict=cfg.model.init_strict)
+        if info.is_main:
+            print(f"initialised {report['loaded']} tensors from {cfg.model.init_from}"
+                  + (f" (skipped: {report['missing'] + report['mismatched']})" if not cfg.model.init_strict else ""))
+
+    objective = CTCObjective(tokenizer, train_loader.feature_extractor)
+    trainer = ddptrain.Trainer(model, objective, cfg, train_loader, eval_data=eval_loader,
+                               metrics_fn=objective.error_counts)
+    if info.is_main:
+        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; "
+              f"{len(train_loader)} batches/epoch/rank on {info.world_size} process(es), device {trainer.device}")
+
+    tests = {path: build_dataloader(path, cfg.data, tokenizer, train=False) for path in cfg.demo.test_manifests}
+    summary = {"before": {}, "after": {}}
+    if cfg.model.init_from and trainer.step == 0:  # the starting point, for a before/after comparison
+        summary["before"] = {p: evaluate_on(trainer, loader) for p, loader in tests.items()}
+    start = time.time()
+    trainer.fit()
+    summary["train_seconds"] = round(time.time() - start, 1)
+    summary["after"] = {p: evaluate_on(trainer, loader) for p, loader in tests.items()}
+    if info.is_main:
+        print_summary(summary)
+        with open(os.path.join(cfg.trainer.output_dir, cfg.demo.report), "w") as f:
+            json.dump(summary, f, indent=1)
+    ddptrain.dist.teardown()
+    return summary
+
+
+def evaluate_on(trainer: ddptrain.Trainer, loader) -> dict:
+    """WER/CER of the current model on one test set (same reduction as periodic evaluation)."""
+    return {k: round(v, 4) for k, v in trainer.evaluate(loader, prefix="test").items()}
+
+
+def print_summary(summary: dict) -> None:
+    print("\n=== results (corpus WER / CER, greedy CTC) ===")
+    for path, after in summary["after"].items():
+        line = f"{path}: WER {after['wer']:.2%}  CER {after['cer']:.2%}"
+        before = summary["before"].get(path)
+        if before:
+            line += f"   (before fine-tuning: WER {before['wer']:.2%}  CER {before['cer']:.2%})"
+        print(line)
+    print(f"training time: {summary['train_seconds']} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
