@@ -63,7 +63,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     name = cfg.name.lower()
     if name in ("adamw", "adam"):
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
+        mode = str(cfg.fused).lower()  # a CLI override `optim.fused=true` arrives as "True"
+        fused = device.type == "cuda" if mode == "auto" else mode == "true"
         kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
         if not fused:
             kwargs["foreach"] = True  # one multi-tensor kernel per group instead of a loop over params

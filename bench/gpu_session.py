@@ -1,0 +1,262 @@
+"""Run a named plan of bench_models.py jobs on a 2-GPU machine inside one time-boxed call.
+
+A plan is a list of stages; the jobs of a stage run at the same time (1-GPU jobs on different
+GPUs), stages one after the other. Every job has a hard timeout (its process group is killed)
+so the call always ends and returns what was measured. Results: ``OUT/results.jsonl`` (one
+line per experiment, see bench_models.py), ``OUT/logs.tar.gz`` (every job's full log), and a
+table on stdout. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
+
+    python3 bench/gpu_session.py call1 --out "$OUT"
+    python3 bench/gpu_session.py call1 --out /tmp/o --dry   # tiny models on CPU, same code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+WR = ["recompute.enabled=true", "recompute.module_classes=[WhisperEncoderLayer,WhisperDecoderLayer]"]
+
+
+def E(name, peer, **kw):
+    return dict(name=name, peer=peer, **kw)
+
+
+# Each job: (label, gpus, workload, experiments, timeout_s[, warmup, steps])
+PLANS = {
+    "call1": [
+        [  # stage A: one GPU each, concurrently
+            ("wh1", "0", "whisper", [
+                E("ddp_b8", "ddptrain", batch=8, profile=1, syncs=1),
+                E("bare_b8", "bare", batch=8, profile=1, syncs=1),
+                E("ddp_b24", "ddptrain", batch=24, profile=1),
+                E("ddp_b24_rc1", "ddptrain", batch=24, ov=WR + ["recompute.every_k=1"]),
+                E("ddp_b24_rc2", "ddptrain", batch=24, ov=WR + ["recompute.every_k=2"]),
+                E("hf_b8", "hf", batch=8),
+            ], 190),
+            ("w2v1", "1", "wav2vec2", [
+                E("ddp_400", "ddptrain", budget=400, profile=1, syncs=1),
+                E("bare_400", "bare", budget=400, profile=1, syncs=1),
+                E("ddp_600", "ddptrain", budget=600),
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+            ], 110),
+            ("wh1b", "1", "whisper", [
+                E("ddp_b16", "ddptrain", batch=16),
+                E("ddp_b32_rc2", "ddptrain", batch=32, ov=WR + ["recompute.every_k=2"]),
+            ], 75),
+        ],
+        [  # stage B: Whisper on 2 GPUs
+            ("wh2", "0,1", "whisper", [
+                E("ddp_b8", "ddptrain", batch=8, profile=1),
+                E("bare_b8", "bare", batch=8),
+                E("ddp_b24", "ddptrain", batch=24, profile=1),
+                E("ddp_b24_bf16hook", "ddptrain", batch=24, ov=["dist.comm_hook=bf16"]),
+                E("ddp_b24_zero", "ddptrain", batch=24, ov=["optim.zero=true"]),
+                E("hf_b8", "hf", batch=8),
+            ], 160),
+        ],
+        [  # stage C: wav2vec2 on 2 GPUs
+            ("w2v2", "0,1", "wav2vec2", [
+                E("ddp_400", "ddptrain", budget=400, profile=1),
+                E("bare_400", "bare", budget=400),
+                E("ddp_400_bf16hook", "ddptrain", budget=400, ov=["dist.comm_hook=bf16"]),
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+            ], 110),
+        ],
+    ],
+    # call 2: steady state (replay: every peer times its second pass over the same batches),
+    # the deferred-sync step prototype, recompute at a batch that fits without it, best settings
+    "call2": [
+        [
+            ("wh1", "0", "whisper", [
+                E("ddp_b8", "ddptrain", batch=8),
+                E("ddp_b8_def", "ddptrain", batch=8, deferred=1, profile=1),
+                E("bare_b8", "bare", batch=8, profile=1),
+                E("hf_b8", "hf", batch=8),
+                E("best_b32_rc2_def", "ddptrain", batch=32, deferred=1, profile=1, ov=WR + ["recompute.every_k=2"]),
+            ], 130, 9, 8, {"replay": 8}),
+            ("w2v1", "1", "wav2vec2", [
+                E("ddp_400", "ddptrain", budget=400),
+                E("ddp_400_def", "ddptrain", budget=400, deferred=1, profile=1),
+                E("bare_400", "bare", budget=400),
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+            ], 70, 9, 8, {"replay": 8}),
+            ("wh1b", "1", "whisper", [
+                E("ddp_b16_rc0_def", "ddptrain", batch=16, deferred=1),
+                E("ddp_b16_rc1_def", "ddptrain", batch=16, deferred=1, ov=WR + ["recompute.every_k=1"]),
+                E("ddp_b16_rc2_def", "ddptrain", batch=16, deferred=1, ov=WR + ["recompute.every_k=2"]),
+            ], 75, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("ddp_b8", "ddptrain", batch=8),
+                E("bare_b8", "bare", batch=8),
+                E("hf_b8", "hf", batch=8),
+                E("best_b32_rc2_def_hook", "ddptrain", batch=32, deferred=1, profile=1,
+                  ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16"]),
+                E("best_zero", "ddptrain", batch=32, deferred=1,
+                  ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16", "optim.zero=true"]),
+            ], 125, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("ddp_400", "ddptrain", budget=400),
+                E("bare_400", "bare", budget=400),
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+                E("best_400_def_hook", "ddptrain", budget=400, deferred=1, profile=1, ov=["dist.comm_hook=bf16"]),
+            ], 70, 9, 8, {"replay": 8}),
+        ],
+    ],
+}
+
+
+def env_for(gpus: str, dry: bool) -> dict:
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="4", TOKENIZERS_PARALLELISM="false")
+    if not dry:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    env["PYTHONPATH"] = os.pathsep.join([p for p in (env.get("PYTHONPATH", ""), ROOT) if p])
+    return env
+
+
+def job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port):
+    n = len(gpus.split(","))
+    exps_file = os.path.join(out_dir, "logs", f"{label}.exps.json")
+    if dry:  # tiny sizes on CPU
+        small = {"batch": 2} if workload == "whisper" else {"budget": 40, "batch": 4}
+        exps = [dict(e, workers=1, profile_steps=1, **small) for e in exps]
+        exps = [dict(e, replay=2) if e.get("replay") else e for e in exps]
+        exps = [dict(e, ov=e.get("ov", []) + ["optim.fused=true"]) if e.get("deferred") else e for e in exps]
+    with open(exps_file, "w") as f:
+        json.dump(exps, f)
+    py = sys.executable
+    launch = [py, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={port}"] if n > 1 else [py]
+    return launch + [os.path.join(HERE, "bench_models.py"), "--workload", workload, "--exps", "@" + exps_file,
+                     "--out", os.path.join(out_dir, "results.jsonl"), "--tag", label,
+                     "--warmup", str(1 if dry else warmup), "--steps", str(2 if dry else steps),
+                     "--preset", "tiny" if dry else "large"]
+
+
+def run_stage(stage, out_dir, dry, t_start, budget_s):
+    """Start the stage's jobs; jobs that share a GPU run in order. Returns when all have ended."""
+    by_gpu: dict[str, list] = {}
+    for job in stage:
+        by_gpu.setdefault(job[1], []).append(job)
+    queues = list(by_gpu.values())
+    running = []  # (proc, label, deadline, logfile, queue)
+    port = 29500 + int(time.time()) % 1000
+
+    def start(job):
+        nonlocal port
+        label, gpus, workload, exps, timeout = job[:5]
+        warmup, steps = (job[5], job[6]) if len(job) > 6 else (4, 12)
+        if len(job) > 7:  # job-wide defaults for every experiment
+            exps = [dict(job[7], **e) for e in exps]
+        left = budget_s - (time.time() - t_start)
+        timeout = min(timeout, max(10, left - 5))
+        port += 1
+        cmd = job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port)
+        logf = open(os.path.join(out_dir, "logs", f"{label}.log"), "w")
+        print(f"[{time.time() - t_start:6.1f}s] start {label} on GPU {gpus}, timeout {timeout:.0f}s", flush=True)
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env_for(gpus, dry), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, bufsize=1, start_new_session=True)
+        os.set_blocking(p.stdout.fileno(), False)
+        return [p, label, time.time() + timeout, logf, ""]
+
+    active = []
+    for q in queues:
+        active.append((start(q.pop(0)), q))
+    while active:
+        time.sleep(0.5)
+        still = []
+        for r, q in active:
+            p, label, deadline, logf, buf = r
+            try:
+                chunk = p.stdout.read()
+            except (TypeError, OSError):
+                chunk = None
+            if chunk:
+                logf.write(chunk)
+                r[4] += chunk
+                *lines, r[4] = r[4].split("\n")
+                for ln in lines:
+                    if ln.startswith(("RESULT", "PROFILE", "SYNCS", "CALIB")) or "Error" in ln or "error:" in ln:
+                        print(f"[{label}] {ln[:1500]}", flush=True)
+            if p.poll() is None and time.time() > deadline:
+                print(f"[{label}] TIMEOUT: killing", flush=True)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            if p.poll() is not None:
+                rest = p.stdout.read() or ""
+                logf.write(rest)
+                logf.close()
+                print(f"[{time.time() - t_start:6.1f}s] end {label} rc={p.returncode}", flush=True)
+                if q:
+                    still.append((start(q.pop(0)), q))
+            else:
+                still.append((r, q))
+        active = still
+
+
+def table(results_path: str) -> str:
+    if not os.path.exists(results_path):
+        return "(no results)"
+    rows = [json.loads(x) for x in open(results_path) if x.strip()]
+    hdr = f"{'workload':9s} {'gpus':>4s} {'name':18s} {'smp/s':>8s} {'audio-s/s':>10s} {'pad':>5s} {'MFU':>6s} " \
+          f"{'peakGB':>7s} {'restGB':>7s} {'wait':>6s} {'idle':>6s} {'step ms':>8s}"
+    out = [hdr]
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['workload']:9s} {r['world_size']:4d} {r['name']:18s} ERROR {r['error'][:90]}")
+            continue
+        idle = r.get("profile", {}).get("gpu_idle_frac_of_wall")
+        wait = r.get("data_wait_frac")
+        out.append(f"{r['workload']:9s} {r['world_size']:4d} {r['name']:18s} {r['samples_per_s']:8.1f} "
+                   f"{r['audio_s_per_s']:10.1f} {r['padding_frac']:5.3f} {r['mfu']:6.3f} {r['peak_alloc_gb']:7.1f} "
+                   f"{r.get('mem_at_rest_gb', float('nan')):7.2f} {wait if wait is None else round(wait, 3)!s:>6s} "
+                   f"{idle if idle is None else round(idle, 3)!s:>6s} {r.get('step_ms_median') or 0:8.0f}")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("plan", choices=sorted(PLANS))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole plan")
+    ap.add_argument("--dry", action="store_true", help="tiny models on CPU")
+    ap.add_argument("--stages", default="", help="comma-separated stage indices to run (default all)")
+    ap.add_argument("--no-calib", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    t0 = time.time()
+    if not a.dry and not a.no_calib:
+        subprocess.run("nvidia-smi; nvidia-smi topo -m", shell=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "calib.py")], env=env_for("0", False))
+    stages = PLANS[a.plan]
+    pick = [int(s) for s in a.stages.split(",")] if a.stages else range(len(stages))
+    for i in pick:
+        if time.time() - t0 > a.budget - 20:
+            print(f"skipping stage {i}: budget spent", flush=True)
+            continue
+        run_stage(stages[i], a.out, a.dry, t0, a.budget)
+    with tarfile.open(os.path.join(a.out, "logs.tar.gz"), "w:gz") as tar:
+        tar.add(os.path.join(a.out, "logs"), arcname="logs")
+    import shutil
+
+    shutil.rmtree(os.path.join(a.out, "logs"))
+    print(f"total {time.time() - t0:.0f}s")
+    print(table(os.path.join(a.out, "results.jsonl")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Fine-tune a Hugging Face wav2vec2 (CTC) or Whisper (encoder-decoder) model with ddptrain.Trainer.
+
+No HF Trainer, no accelerate: the model is an ordinary ``nn.Module`` and the loss follows the
+ddptrain contract ``(loss_sum, num_units)``. ``transformers`` is a dependency of this script
+only, never of ddptrain. Nothing is downloaded: ``hf.path`` is a local checkpoint folder, or the
+model is random-initialised from a size preset (what the GPU benchmarks do).
+
+    # wav2vec2-large (lv60 layout, 315M) on a synthetic corpus, 2 GPUs, bf16
+    torchrun --nproc_per_node=2 examples/finetune_hf_model.py hf.model=wav2vec2 \\
+        trainer.precision=bf16 trainer.max_steps=200 data.max_duration=400
+    # Whisper-large-v3 (1.54B), 30 s windows, 24 per GPU, activation checkpointing on every layer
+    torchrun --nproc_per_node=2 examples/finetune_hf_model.py hf.model=whisper hf.batch_size=24 \\
+        trainer.precision=bf16 recompute.enabled=true \\
+        'recompute.module_classes=[WhisperEncoderLayer,WhisperDecoderLayer]'
+    # a local wav2vec2 checkpoint on real data (raw 16 kHz audio, character tokenizer)
+    python examples/finetune_hf_model.py hf.path=/models/wav2vec2-large-lv60 \\
+        data.train_manifest=train.jsonl data.features=raw data.max_duration=300
+
+Batches: wav2vec2 batches are cut by ddptrain's ``DurationBucketSampler`` (``data.max_duration``
+seconds of *padded* audio per batch and rank), Whisper batches are ``hf.batch_size`` fixed 30 s
+windows (every input has the same length, so there is nothing to bucket).
+
+Speed (measured on H200, see BENCHMARKS.md "GPU: training throughput"): bf16; Whisper-large
+wants >= 16 windows per GPU (at 8 the step is partly host-bound); ``recompute.every_k=2`` on the
+Whisper layers buys a 2x larger batch for ~20% more time per sample; on NVLink the bf16 comm hook
+brings nothing measurable. Keep shapes few (``data.pad_to_multiple`` for audio,
+``hf.token_pad_multiple`` for Whisper targets): the first time cuDNN sees a shape it builds a
+plan on the host, which made first-pass steps up to 2x slower than steady state.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import ddptrain
+from ddptrain.data import DurationBucketSampler, SpeechCollator
+
+WHISPER_FRAMES = 3000  # 30 s of 10 ms frames: Whisper's encoder only takes full windows
+
+
+@dataclass
+class HFConfig:
+    model: str = "wav2vec2"  # wav2vec2 (CTC head) | whisper (encoder-decoder)
+    path: str = ""  # local checkpoint folder for from_pretrained (no downloads); "" = random init
+    preset: str = "large"  # random-init size: large (wav2vec2-large-lv60 / whisper-large-v3) | tiny (tests)
+    attn_implementation: str = "sdpa"  # sdpa | eager (| flash_attention_2 where installed)
+    freeze_feature_encoder: bool = True  # wav2vec2: keep the CNN front end frozen (standard fine-tuning)
+    vocab_size: int = 32  # wav2vec2 CTC head size for random init (real data: the tokenizer's size)
+    batch_size: int = 8  # whisper: 30 s windows per batch and rank
+    token_pad_multiple: int = 16  # whisper: pad target length to a multiple of this (fewer distinct shapes)
+    # synthetic corpus (used when data.train_manifest is ""): lognormal durations / token counts
+    synthetic_utterances: int = 20000  # corpus size
+    synthetic_median_s: float = 7.0  # wav2vec2: median utterance duration
+    synthetic_sigma: float = 0.5  # wav2vec2: lognormal sigma of the durations
+    synthetic_min_s: float = 1.0  # durations are clipped to [min, max]
+    synthetic_max_s: float = 20.0
+    chars_per_second: float = 15.0  # wav2vec2: transcript characters per second of audio
+    synthetic_median_tokens: float = 60.0  # whisper: median transcript tokens per 30 s window
+    synthetic_max_tokens: int = 448  # whisper: decoder context limit
+
+
+@dataclass
+class FinetuneConfig(ddptrain.Config):
+    hf: HFConfig = field(default_factory=HFConfig)
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+def build_model(h: HFConfig, vocab_size: int | None = None) -> torch.nn.Module:
+    """Wav2Vec2ForCTC or WhisperForConditionalGeneration, from ``h.path`` or random-initialised."""
+    import transformers as tf
+
+    if h.model == "wav2vec2":
+        if h.path:
+            model = tf.Wav2Vec2ForCTC.from_pretrained(h.path, local_files_only=True, layerdrop=0.0,
+                                                      vocab_size=vocab_size or h.vocab_size, pad_token_id=0,
+                                                      ctc_zero_infinity=True, ignore_mismatched_sizes=True,
+                                                      attn_implementation=h.attn_implementation)
+        else:
+            model = tf.Wav2Vec2ForCTC(wav2vec2_config(h.preset, vocab_size or h.vocab_size, h.attn_implementation))
+        if h.freeze_feature_encoder:
+            model.freeze_feature_encoder()
+    elif h.model == "whisper":
+        if h.path:
+            model = tf.WhisperForConditionalGeneration.from_pretrained(
+                h.path, local_files_only=True, attn_implementation=h.attn_implementation)
+        else:
+            model = tf.WhisperForConditionalGeneration(whisper_config(h.preset, h.attn_implementation))
+        model.config.use_cache = False  # training: no KV cache
+    else:
+        raise ValueError(f"hf.model={h.model!r} is not one of wav2vec2, whisper")
+    return model
+
+
+def wav2vec2_config(preset: str, vocab_size: int = 32, attn: str = "sdpa"):
+    """wav2vec2-large-lv60 layout (24 x 1024, stable layer norm, 315M) or a tiny one for tests.
+
+    layerdrop is 0: a dropped layer leaves parameters without gradients, which DDP rejects
+    unless ``find_unused_parameters`` (slower) is on.
+    """
+    from transformers import Wav2Vec2Config
+
+    common = dict(vocab_size=vocab_size, pad_token_id=0, layerdrop=0.0, ctc_zero_infinity=True,
+                  feat_extract_norm="layer", do_stable_layer_norm=True, conv_bias=True,
+                  feat_extract_activation="gelu", mask_time_prob=0.05, attn_implementation=attn)
+    if preset == "large":
+        return Wav2Vec2Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                              intermediate_size=4096, **common)
+    if preset == "tiny":
+        return Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                              conv_dim=(32,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                              mask_time_length=2, **common)
+    raise ValueError(f"hf.preset={preset!r} is not one of large, tiny")
+
+
+def whisper_config(preset: str, attn: str = "sdpa"):
+    """Whisper-large-v3 layout (32+32 x 1280, 128 mel bins, 51866 tokens, 1.54B) or a tiny one."""
+    from transformers import WhisperConfig
+
+    tokens = dict(pad_token_id=50256, bos_token_id=50257, eos_token_id=50257, decoder_start_token_id=50258,
+                  use_cache=False, attn_implementation=attn)
+    if preset == "large":
+        return WhisperConfig(vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32,
+                             decoder_layers=32, encoder_attention_heads=20, decoder_attention_heads=20,
+                             encoder_ffn_dim=5120, decoder_ffn_dim=5120, max_source_positions=1500,
+                             max_target_positions=448, **tokens)
+    if preset == "tiny":
+        return WhisperConfig(vocab_size=51866, num_mel_bins=128, d_model=32, encoder_layers=2, decoder_layers=2,
+                             encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                             decoder_ffn_dim=64, max_source_positions=1500, max_target_positions=448, **tokens)
+    raise ValueError(f"hf.preset={preset!r} is not one of large, tiny")
+
+
+# ---------------------------------------------------------------------------------- losses
+
+
+class CTCLoss:
+    """wav2vec2 CTC loss, summed over utterances; units = target tokens.
+
+    Output lengths come from the conv stack's kernel/stride arithmetic on the device and the
+    targets stay padded (2-D) for ``F.ctc_loss``, so no step needs a host sync here (the HF
+    model's own ``labels=`` path does ``labels.max()`` and ``masked_select``, two syncs).
+    """
+
+    def __init__(self, config):
+        self.convs = list(zip(config.conv_kernel, config.conv_stride))
+        self.blank = config.pad_token_id
+
+    def out_lengths(self, lens: torch.Tensor) -> torch.Tensor:
+        for k, s in self.convs:
+            lens = torch.div(lens - k, s, rounding_mode="floor") + 1
+        return lens
+
+    def __call__(self, model, batch):
+        audio, lens = batch["audio"], batch["audio_lens"]
+        mask = torch.arange(audio.shape[1], device=audio.device)[None, :] < lens[:, None]
+        logits = model(audio, attention_mask=mask.long()).logits
+        log_probs = logits.float().log_softmax(-1).transpose(0, 1)
+        loss = F.ctc_loss(log_probs, batch["tokens"], self.out_lengths(lens), batch["token_lens"],
+                          blank=self.blank, reduction="sum", zero_infinity=True)
+        return loss, batch["token_lens"].sum()
+
+
+class Seq2SeqLoss:
+    """Whisper cross-entropy summed over target tokens; units = target tokens.
+
+    ``batch["features"]`` is (B, T, mel) as ddptrain's collator makes it; T is padded to the
+    3000 frames of a 30 s window. The decoder input is ``[decoder_start] + tokens[:-1]``.
+    """
+
+    def __init__(self, config, token_pad_multiple: int = 1):
+        self.start = config.decoder_start_token_id
+        self.multiple = max(1, token_pad_multiple)
+
+    def __call__(self, model, batch):
+        feats, tokens, tlen = batch["features"], batch["tokens"], batch["token_lens"]
+        if feats.shape[1] < WHISPER_FRAMES:
+            feats = F.pad(feats, (0, 0, 0, WHISPER_FRAMES - feats.shape[1]))
+        extra = -tokens.shape[1] % self.multiple  # padded positions are masked out of the loss below
+        if extra:
+            tokens = F.pad(tokens, (0, extra))
+        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < tlen[:, None]
+        dec_in = torch.cat([torch.full_like(tokens[:, :1], self.start), tokens[:, :-1]], dim=1)
+        logits = model(input_features=feats.transpose(1, 2), decoder_input_ids=dec_in, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.masked_fill(~valid, -100).flatten(),
+                               ignore_index=-100, reduction="sum")
+        return loss, valid.sum()
+
+
+def loss_for(model, token_pad_multiple: int = 1) -> object:
+    cfg = model.config
+    return CTCLoss(cfg) if cfg.model_type == "wav2vec2" else Seq2SeqLoss(cfg, token_pad_multiple)
+
+
+# ---------------------------------------------------------------------------------- synthetic data
+
+
+def synthetic_durations(h: HFConfig, seed: int = 0) -> np.ndarray:
+    """Lognormal utterance durations (median ``synthetic_median_s``), clipped to [min, max] s."""
+    rng = np.random.default_rng(seed)
+    d = rng.lognormal(math.log(h.synthetic_median_s), h.synthetic_sigma, h.synthetic_utterances)
+    return np.clip(d, h.synthetic_min_s, h.synthetic_max_s).round(3)
+
+
+def synthetic_token_counts(h: HFConfig, seed: int = 0) -> np.ndarray:
+    """Lognormal transcript lengths per 30 s window (median ``synthetic_median_tokens``)."""
+    rng = np.random.default_rng(seed + 1)
+    n = rng.lognormal(math.log(h.synthetic_median_tokens), 0.6, h.synthetic_utterances)
+    return np.clip(n, 8, h.synthetic_max_tokens).astype(np.int64)
+
+
+class SyntheticAudio(Dataset):
+    """Random 16 kHz waveforms with random character targets, shaped like ddptrain.data's examples
+    (keys ``id``, ``text``, ``audio``, ``tokens``), deterministic per index."""
+
+    def __init__(self, durations, vocab_size: int, chars_per_second: float = 15.0, sample_rate: int = 16000):
+        self.durations, self.vocab, self.cps, self.sr = np.asarray(durations), vocab_size, chars_per_second, sample_rate
+
+    def __len__(self):
+        return len(self.durations)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(int(i))
+        d = float(self.durations[i])
+        n_tok = max(1, int(d * self.cps))
+        return {"id": str(i), "text": "", "audio": 0.1 * torch.randn(int(d * self.sr), generator=g),
+                "tokens": torch.randint(1, self.vocab, (n_tok,), generator=g)}
+
+
+class SyntheticWindows(Dataset):
+    """Random (3000, mel) log-mel windows with random token targets (Whisper's 4-token prefix first)."""
+
+    PREFIX = (50258, 50259, 50360, 50364)  # <|startoftranscript|> <|en|> <|transcribe|> <|notimestamps|>
+
+    def __init__(self, token_counts, num_mel_bins: int = 128, vocab_size: int = 51866):
+        self.counts, self.mel, self.vocab = np.asarray(token_counts), num_mel_bins, vocab_size
+
+    def __len__(self):
+        return len(self.counts)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(int(i))
+        text = torch.randint(0, 50257, (int(self.counts[i]),), generator=g)
+        tokens = torch.cat([torch.tensor(self.PREFIX[1:]), text, torch.tensor([50257])])  # start is prepended
+        return {"id": str(i), "text": "", "features": torch.randn(WHISPER_FRAMES, self.mel, generator=g),
+                "tokens": tokens}
+
+
+def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, model_config=None,
+                           collate_wrapper=None) -> DataLoader:
+    """The training loader over a synthetic corpus: bucketed by duration (wav2vec2) or fixed-size
+    batches of 30 s windows (whisper). ``collate_wrapper(collate) -> collate`` lets a benchmark
+    add per-batch statistics."""
+    loader_kw = dict(num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory and torch.cuda.is_available(),
+                     prefetch_factor=data_cfg.prefetch_factor if data_cfg.num_workers > 0 else None,
+                     persistent_workers=data_cfg.persistent_workers and data_cfg.num_workers > 0)
+    if h.model == "wav2vec2":
+        durations = synthetic_durations(h, data_cfg.seed)
+        vocab = model_config.vocab_size if model_config is not None else h.vocab_size
+        dataset = SyntheticAudio(durations, vocab, h.chars_per_second)
+        sampler = DurationBucketSampler(durations, max_duration=data_cfg.max_duration,
+                                        max_batch_size=data_cfg.max_batch_size, num_buckets=data_cfg.num_buckets,
+                                        sort_pool=data_cfg.bucket_sort_pool, seed=data_cfg.seed,
+                                        world_size=world_size, rank=rank)
+        collate = SpeechCollator(mode="audio", pad_to_multiple=data_cfg.pad_to_multiple)
+        collate = collate_wrapper(collate) if collate_wrapper else collate
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kw)
+    mel = model_config.num_mel_bins if model_config is not None else 128
+    dataset = SyntheticWindows(synthetic_token_counts(h, data_cfg.seed), mel)
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=data_cfg.seed, drop_last=True)
+    collate = SpeechCollator(mode="features", num_mel_bins=mel, pad_to_multiple=1, token_pad_id=50257)
+    collate = collate_wrapper(collate) if collate_wrapper else collate
+    return DataLoader(dataset, batch_size=h.batch_size, sampler=sampler, drop_last=True, collate_fn=collate,
+                      **loader_kw)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> dict:
+    config_path = argv[1] if len(argv) > 1 and argv[0] == "--config" else None
+    overrides = argv[2:] if config_path else argv
+    cfg = ddptrain.load_config(config_path, ["trainer.output_dir=runs/finetune_hf", "trainer.precision=bf16",
+                                             "trainer.clip_grad_norm=1.0", "optim.lr=3e-5",
+                                             "scheduler.name=warmup_linear", "scheduler.warmup_steps=50",
+                                             *overrides], schema=FinetuneConfig)
+    info = ddptrain.setup_distributed(cfg)
+    h = cfg.hf
+    if cfg.data.train_manifest:
+        if h.model != "wav2vec2" or cfg.data.features != "raw":
+            raise SystemExit("real manifests: only hf.model=wav2vec2 with data.features=raw in this example "
+                             "(Whisper needs its own log-mel front end and BPE tokenizer)")
+        from ddptrain.data import build_dataloader, load_or_build_tokenizer
+
+        tok = load_or_build_tokenizer(cfg.data)
+        loader = build_dataloader(cfg.data.train_manifest, cfg.data, tok, train=True)
+        model = build_model(h, vocab_size=tok.vocab_size)
+    else:
+        model = build_model(h)
+        loader = build_synthetic_loader(h, cfg.data, info.world_size, info.rank, model.config)
+    trainer = ddptrain.Trainer(model, loss_for(model, h.token_pad_multiple), cfg, loader)
+    return trainer.fit()
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))
