@@ -89,6 +89,7 @@ class CharTokenizer:
             header = f"#unk {self.unk_token}\n" if self.unk_token else ""
             text = header + "\n".join(lines) + "\n"
         tmp = path + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)  # never leave a half-written vocabulary behind

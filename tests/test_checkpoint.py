@@ -1,0 +1,108 @@
+"""Checkpoint files: weights round trip, readable mismatch diffs, failed saves, pruning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import ddptrain
+from ddptrain import checkpoint as ckpt
+from _dist import run_ranks
+from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+
+
+class Tied(nn.Module):
+    def __init__(self, vocab=10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.out = nn.Linear(4, vocab)
+        self.out.weight = self.emb.weight  # tied weights must still save and load
+
+
+def test_weights_load_without_ddptrain(tmp_path):
+    model = Tied()
+    ckpt.save_weights(model, str(tmp_path / "m.safetensors"))
+    fresh = Tied()
+    fresh.load_state_dict(load_file(str(tmp_path / "m.safetensors")))  # plain safetensors + torch
+    assert torch.equal(fresh.emb.weight, model.emb.weight)
+
+
+def test_mismatch_is_refused_with_a_diff_unless_not_strict(tmp_path):
+    ckpt.save_weights(Tied(vocab=10), str(tmp_path / "m.safetensors"))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_weights(Tied(vocab=12), str(tmp_path / "m.safetensors"))
+    msg = str(err.value)
+    assert "shape mismatch" in msg and "emb.weight: checkpoint (10, 4) vs model (12, 4)" in msg
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ckpt.CheckpointError, match="(?s)missing in checkpoint.*unexpected in checkpoint"):
+        ckpt.load_weights(model, str(tmp_path / "m.safetensors"))
+    # strict=False: a new output vocabulary keeps the fitting tensors and skips the others
+    class Bigger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 12)
+
+    source = Tied(vocab=10)
+    ckpt.save_weights(source, str(tmp_path / "m.safetensors"))
+    partial = Bigger()
+    report = ckpt.load_weights(partial, str(tmp_path / "m.safetensors"), strict=False)
+    assert report["loaded"] == 1 and torch.equal(partial.emb.weight, source.emb.weight)
+    assert sorted(m.split(":")[0] for m in report["mismatched"]) == ["out.bias", "out.weight"]
+
+
+def test_corrupt_weights_file_is_named(tmp_path):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(ckpt.CheckpointError, match="cannot read weights.*m.safetensors"):
+        ckpt.load_weights(Tied(), str(path))
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    (tmp_path / "step_00000001").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="incomplete"):
+        ckpt.load_checkpoint(str(tmp_path / "step_00000001"), 1, 0)
+
+
+def test_prune_keeps_best_and_newest(tmp_path):
+    cfg = make_cfg(tmp_path, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                   "checkpoint.keep_best=1", "trainer.eval_every=1", "checkpoint.best_metric=loss")
+    data = micro_batches(3)[0] * 3
+    torch.manual_seed(0)
+    t = ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data, eval_data=data[:1])
+    t.fit()
+    kept = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert "step_00000006" in kept and 1 <= len(kept) <= 2
+
+
+def _failing_save_worker(rank, world, out):
+    torch.manual_seed(0)
+    cfg = make_cfg(out, "trainer.max_steps=4", "checkpoint.every_steps=2", "checkpoint.save_at_end=false")
+    data = [mb[rank] for mb in micro_batches(4)]
+    trainer = ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data)
+    real = torch.save
+    calls = {"n": 0}
+
+    def disk_full(obj, f, *a, **k):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] >= 2:  # rank 1's second checkpoint: "disk full"
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *a, **k)
+
+    ckpt.torch.save = disk_full
+    with pytest.raises(ckpt.CheckpointError, match="rank 1: OSError.*No space left"):
+        trainer.fit()
+    assert trainer.step == 4
+    assert ckpt.find_latest(os.path.join(out, "checkpoints")).endswith("step_00000002")
+
+
+@pytest.mark.timeout(120)
+def test_failed_save_errors_on_every_rank_and_keeps_previous(tmp_path):
+    run_ranks(_failing_save_worker, 2, str(tmp_path))
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step_00000002"]  # the torn step-4 folder was removed
+    assert (root / "step_00000002" / "COMPLETE").exists()
