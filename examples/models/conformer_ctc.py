@@ -13,7 +13,7 @@ Output lengths follow the subsampling exactly::
 
     out_len = ((T - 1) // 2 - 1) // 2          (both convolutions: kernel 3, stride 2, no padding)
 
-The default configuration has about 2.0 M parameters and trains on a laptop
+The default configuration has about 2.2 M parameters and trains on a laptop
 CPU in minutes on the connected-digit demo data (examples/data).
 
 Run ``python examples/models/conformer_ctc.py`` for a self-check.
@@ -172,6 +172,9 @@ def _self_check() -> None:
     lp1, _ = model.eval()(feats[2:3, :57], feature_lens[2:3])
     lp_full, _ = model(feats, feature_lens)
     assert torch.allclose(lp1[0], lp_full[2, : expect[2]], atol=1e-4)
+    # nor must padding the whole batch past its longest utterance (pad_to_multiple)
+    lp_pad, lens_pad = model(nn.functional.pad(feats, (0, 0, 0, 13)), feature_lens)
+    assert lens_pad.tolist() == expect and torch.allclose(lp_pad, lp_full, atol=1e-4)
     model.train()
 
     targets = torch.randint(1, cfg.vocab_size, (len(feature_lens), 10))
