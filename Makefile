@@ -23,7 +23,9 @@ test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo)
 	$(PYBIN) -m pytest -q tests
 
 demo: $(STAMP)  ## install, then run the main job: the two-stage ASR demo on the shipped data (CPU)
-	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo.yaml
+	rm -rf runs/asr_demo
+	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo.yaml $(ARGS)
+	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo_accent.yaml $(ARGS)
 
 minimal: $(STAMP)  ## install, then run the dozen-line example under torchrun with 2 CPU processes
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) examples/minimal.py

@@ -444,9 +444,10 @@ class Trainer:
             scalars["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         sampler = self._stateful_sampler()
         if sampler is not None and hasattr(sampler, "epoch_stats"):
-            for k, v in sampler.epoch_stats().items():
-                if isinstance(v, (int, float)):
-                    scalars[f"data_{k}"] = v
+            stats = sampler.epoch_stats()
+            for k in ("padding_fraction", "batch_size_mean", "budget_fill"):
+                if isinstance(stats.get(k), (int, float)):
+                    scalars[f"data_{k}"] = stats[k]
         self.logger.log(self.step, scalars)
         window.update(loss=0.0, units=0.0, time=now, wait=0.0, steps=0)
 
