@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -32,6 +31,7 @@ from ddptrain.config import Config, to_yaml
 from ddptrain.logging import RunLogger
 from ddptrain.optim import build_optimizer, build_scheduler, is_zero
 from ddptrain.precision import Precision
+from ddptrain.process import PreemptionFlag, budget_cpu_threads, shield_workers_from_signals
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -65,7 +65,7 @@ class Trainer:
         self.device = self.info.device
         torch.manual_seed(t.seed + self.info.rank)  # dropout differs per rank; DDP syncs the init
         if self.device.type == "cpu":
-            _budget_cpu_threads(train_data)
+            budget_cpu_threads(train_data)
         torch.use_deterministic_algorithms(t.deterministic)
 
         self.ckpt_root = ckpt.checkpoint_root(t.output_dir)
@@ -91,9 +91,8 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
 
-        _shield_workers_from_signals(train_data, config.trainer.preempt_signals)
-        if eval_data is not None:
-            _shield_workers_from_signals(eval_data, config.trainer.preempt_signals)
+        for loader in (train_data, eval_data):
+            shield_workers_from_signals(loader, t.preempt_signals)
         self.batches_per_epoch = len(train_data)
         if self.batches_per_epoch == 0:
             raise ValueError("train_data is empty on rank %d" % self.info.rank)
@@ -108,6 +107,7 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
         self.last_eval: dict = {}
+        self.preemption = PreemptionFlag(t.preempt_signals)
         self._preempted = False
         self._last_saved_step = -1
         self._resume_rng: Optional[dict] = None
@@ -129,10 +129,10 @@ class Trainer:
             SystemExit: with ``trainer.preempt_exit_code`` after a preemption signal and save.
         """
         t, c = self.cfg.trainer, self.cfg.checkpoint
-        handlers = self._install_signal_handlers(t.preempt_signals)
         window = {"loss": 0.0, "units": 0.0, "time": time.perf_counter(), "wait": 0.0, "steps": 0}
         batches = None
         try:
+            self.preemption.install()  # signals only set a flag; ranks agree on it every step
             while self.step < self.total_steps:
                 batches = self._epoch_iterator()
                 epoch_ended = False
@@ -177,7 +177,7 @@ class Trainer:
             # Drop the DataLoader iterator now, so its workers shut down cleanly even when an
             # exception (whose traceback keeps this frame alive) is on its way out of the process.
             batches = None  # noqa: F841
-            self._restore_signal_handlers(handlers)
+            self.preemption.restore()
             self.logger.close()
 
     def train_step(self, micro_batches: list) -> dict:
@@ -207,7 +207,7 @@ class Trainer:
                     else torch.zeros((), dtype=torch.float64, device=self.device))
         # One small all-reduce and one host sync per step: global loss sum, global unit count,
         # the preemption flag, and the (identical on every rank) gradient norm.
-        stop = torch.tensor(float(self._stop_requested), dtype=torch.float64, device=self.device)
+        stop = torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=self.device)
         flags = torch.stack([loss_acc, units_acc, stop, raw_norm.to(self.device)])
         if self.info.distributed:
             torch.distributed.all_reduce(flags)
@@ -251,7 +251,8 @@ class Trainer:
         own = data is None
         self.module.eval()
         sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
-        batches = iter(self.eval_data if own else data)
+        with torch.random.fork_rng(devices=[]):  # making an iterator draws a seed: keep training's RNG
+            batches = iter(self.eval_data if own else data)
         try:
             for batch in batches:
                 if isinstance(batch, dict) and "ids" in batch and len(batch["ids"]) == 0:
@@ -450,68 +451,6 @@ class Trainer:
                     scalars[f"data_{k}"] = stats[k]
         self.logger.log(self.step, scalars)
         window.update(loss=0.0, units=0.0, time=now, wait=0.0, steps=0)
-
-    @property
-    def _stop_requested(self) -> bool:
-        return getattr(self, "_signal_received", False)
-
-    def _install_signal_handlers(self, names: list[str]) -> dict:
-        """Preemption signals only set a flag; the ranks agree on it at the next step boundary."""
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        old = {}
-        for name in names:
-            sig = getattr(signal, name, None)
-            if sig is None:
-                raise ValueError(f"trainer.preempt_signals: unknown signal {name!r}")
-            old[sig] = signal.signal(sig, lambda signum, frame: setattr(self, "_signal_received", True))
-        return old
-
-    @staticmethod
-    def _restore_signal_handlers(old: dict) -> None:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def _budget_cpu_threads(loader: Any) -> None:
-    """On CPU, give each training process its share of the cores, minus its DataLoader workers.
-
-    OpenMP threads that compete for a busy core spin at every parallel region: on a 2-core
-    machine with one DataLoader worker, 2 intra-op threads made the demo's Conformer step 15x
-    slower than 1 thread. An explicit ``OMP_NUM_THREADS`` (torchrun sets 1) is respected.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    workers = getattr(loader, "num_workers", 0) or 0
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local - workers))
-
-
-def _shield_workers_from_signals(loader: Any, names: list[str]) -> None:
-    """Make DataLoader workers ignore the preemption signals.
-
-    A cluster often signals the whole process group. A worker killed by SIGTERM makes the main
-    process's next ``next(loader)`` raise, which would turn an orderly preemption save into a
-    crash; the main process alone decides when to stop.
-    """
-    if not hasattr(loader, "worker_init_fn") or getattr(loader, "num_workers", 0) == 0:
-        return
-    loader.worker_init_fn = _IgnoreSignalsThen(names, loader.worker_init_fn)
-
-
-class _IgnoreSignalsThen:
-    """Picklable worker_init_fn: ignore ``names``, then call the user's own init function."""
-
-    def __init__(self, names: list[str], inner: Optional[Callable]):
-        self.names, self.inner = list(names), inner
-
-    def __call__(self, worker_id: int) -> None:
-        for name in self.names:
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-        if self.inner is not None:
-            self.inner(worker_id)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
