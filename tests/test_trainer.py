@@ -238,11 +238,13 @@ class InfOnStep:
         return loss, units
 
 
-def _inf_worker(rank, world, out, precision):
+def _inf_worker(rank, world, out, variant):
+    precision, zero = variant.split("+")[0], "zero" in variant
     torch.manual_seed(0)
     model = FrameMLP()
     data = [mb[rank] for mb in micro_batches(5)]
-    cfg = make_cfg(os.path.join(out, precision), "trainer.max_steps=5", f"trainer.precision={precision}",
+    cfg = make_cfg(os.path.join(out, variant), "trainer.max_steps=5", f"trainer.precision={precision}",
+                   f"optim.zero={zero}",
                    "checkpoint.save_at_end=false", "scheduler.name=warmup_linear", "scheduler.warmup_steps=3",
                    "trainer.fp16_init_scale=256")  # no routine overflow: only the injected inf skips
     trainer = ddptrain.Trainer(model, InfOnStep({3}, rank), cfg, data)
@@ -254,15 +256,16 @@ def _inf_worker(rank, world, out, precision):
         changed = any(not torch.equal(before[k], v) for k, v in params_of(model).items())
         snapshots.append({"stepped": out_step["stepped"], "changed": changed,
                           "sched": trainer.scheduler.last_epoch})
-    torch.save({"snap": snapshots, "skipped": trainer.skipped_steps}, os.path.join(out, f"{precision}_{rank}.pt"))
+    torch.save({"snap": snapshots, "skipped": trainer.skipped_steps}, os.path.join(out, f"{variant}_{rank}.pt"))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, precision):
-    run_ranks(_inf_worker, 2, str(tmp_path), precision)
+@pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16+zero"])
+def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, variant):
+    """GradScaler unscale/skip logic holds with plain and ZeRO-sharded optimizers."""
+    run_ranks(_inf_worker, 2, str(tmp_path), variant)
     for rank in range(2):
-        res = torch.load(tmp_path / f"{precision}_{rank}.pt", weights_only=False)
+        res = torch.load(tmp_path / f"{variant}_{rank}.pt", weights_only=False)
         snap = res["snap"]
         assert [s["stepped"] for s in snap] == [True, True, False, True, True], (rank, snap)
         assert not snap[2]["changed"], "params changed on the skipped step"
