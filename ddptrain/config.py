@@ -73,6 +73,7 @@ class OptimConfig:
     nesterov: bool = False  # SGD Nesterov momentum
     fused: str = "auto"  # auto (fused kernels on CUDA) | true | false
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
+    zero_bucket_view: bool = False  # ZeRO: flat parameter buckets, one broadcast per rank after the step (not yet measured on GPU)
 
 
 @dataclass

@@ -77,7 +77,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     if cfg.zero and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **kwargs)
+        # parameters_as_bucket_view packs each rank's parameters into flat buffers so the
+        # post-step broadcast is one call per rank instead of one per parameter
+        return ZeroRedundancyOptimizer(groups, optimizer_class=cls,
+                                       parameters_as_bucket_view=cfg.zero_bucket_view, **kwargs)
     return cls(groups, **kwargs)
 
 
