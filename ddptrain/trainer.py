@@ -111,6 +111,7 @@ class Trainer:
         self._preempted = False
         self._last_saved_step = -1
         self._resume_rng: Optional[dict] = None
+        self._last_batch: Any = None  # host copy of the last non-empty batch (see train_step)
         self._resume()
         self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main, self.total_steps, self.step)
         if self.info.is_main:
@@ -186,6 +187,16 @@ class Trainer:
         loss_acc = torch.zeros((), dtype=torch.float64, device=self.device)
         units_acc = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
+            weight = 1.0
+            if _is_empty(batch):  # every utterance in it was skipped as bad data
+                # DDP needs this rank's forward/backward to line up with the others: replay the
+                # last real batch with weight 0 (zero gradient, zero units) instead of skipping
+                if self._last_batch is None:
+                    raise RuntimeError(f"rank {self.info.rank}, step {self.step + 1}: the first batch "
+                                       "is empty (all its utterances were skipped as bad data)")
+                batch, weight = self._last_batch, 0.0
+            else:
+                self._last_batch = batch
             batch = _to_device(batch, self.device)
             # all-reduce the gradients only on the last micro-batch: earlier ones just accumulate
             sync = i == len(micro_batches) - 1 or not self.info.distributed
@@ -193,6 +204,8 @@ class Trainer:
                 try:
                     with self.precision.autocast():
                         loss_sum, units = self.loss_fn(self.model, batch)
+                    if weight == 0.0:
+                        loss_sum, units = loss_sum * 0.0, 0
                     self.precision.scale(loss_sum.float() * self.unit_scale).backward()
                 except Exception as e:
                     raise RuntimeError(f"rank {self.info.rank}, step {self.step + 1}, micro-batch {i}: "
@@ -255,7 +268,7 @@ class Trainer:
             batches = iter(self.eval_data if own else data)
         try:
             for batch in batches:
-                if isinstance(batch, dict) and "ids" in batch and len(batch["ids"]) == 0:
+                if _is_empty(batch):
                     continue  # an empty filler batch (a rank with fewer utterances than others)
                 batch = _to_device(batch, self.device)
                 with self.precision.autocast():
@@ -461,6 +474,10 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)) and not (batch and isinstance(batch[0], str)):
         return type(batch)(_to_device(v, device) for v in batch)
     return batch
+
+
+def _is_empty(batch: Any) -> bool:
+    return isinstance(batch, dict) and "ids" in batch and len(batch["ids"]) == 0
 
 
 def _batch_ids(batch: Any) -> str:

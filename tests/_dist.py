@@ -26,13 +26,22 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     import torch
 
     torch.set_num_threads(1)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        import torch.distributed as dist
+    import gc
+    import sys
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    import torch.distributed as dist
+
+    fn(rank, world_size, *args)  # an exception propagates: spawn reports it and ends the other ranks
+    # Clean exit. gloo's teardown can abort ("terminate called without an active exception") when
+    # one rank destroys its process group while a peer's DDP reducer or pending work still holds
+    # it: drop the objects, agree with a barrier, destroy, then leave without interpreter teardown.
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90.0) -> None:

@@ -298,3 +298,35 @@ def test_error_in_loss_names_rank_step_and_utterances(tmp_path):
     trainer = ddptrain.Trainer(FrameMLP(), broken, make_cfg(tmp_path), data)
     with pytest.raises(RuntimeError, match=r"rank 0, step 1.*bad batch.*utt-a, utt-b"):
         trainer.fit()
+
+
+# ----------------------------------------------------------------------------- empty batches
+
+
+def _empty_batch_worker(rank, world, out):
+    torch.manual_seed(0)
+    model = FrameMLP()
+    data = [dict(mb[rank], ids=[f"u{rank}"] * len(mb[rank]["lens"])) for mb in micro_batches(3)]
+    if rank == 1:  # all utterances of rank 1's second batch were skipped as bad data
+        data[1] = {"x": torch.zeros(0, 1, FEAT), "y": torch.zeros(0, 1), "lens": torch.zeros(0, dtype=torch.long),
+                   "ids": []}
+    cfg = make_cfg(os.path.join(out, "empty"), "trainer.max_steps=3", "checkpoint.save_at_end=false")
+    ddptrain.Trainer(model, frame_loss, cfg, data).fit()
+    if rank == 0:
+        torch.save(params_of(model), os.path.join(out, "empty.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_empty_batch_on_one_rank_counts_as_zero_units(tmp_path):
+    """An all-skipped batch keeps DDP in step and contributes nothing: equal to a big-batch run
+    whose second step holds rank 0's micro-batch only."""
+    run_ranks(_empty_batch_worker, 2, str(tmp_path))
+    torch.manual_seed(0)
+    ref = FrameMLP()
+    mbs = micro_batches(3)
+    data = [concat(*mbs[0]), mbs[1][0], concat(*mbs[2])]
+    ddptrain.Trainer(ref, frame_loss, make_cfg(tmp_path / "ref", "trainer.max_steps=3",
+                                               "checkpoint.save_at_end=false"), data).fit()
+    got = torch.load(tmp_path / "empty.pt")
+    for k, v in params_of(ref).items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
