@@ -29,7 +29,7 @@ import random
 import re
 import shutil
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch

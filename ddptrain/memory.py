@@ -39,7 +39,6 @@ import argparse
 import sys
 from typing import Optional, Union
 
-import torch
 from torch import nn
 
 _ADAM = ("adam", "adamw")
