@@ -192,11 +192,6 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def config_to_dict(cfg: Any) -> dict:
-    """Plain-dict view of a config dataclass (for logging hyper-parameters)."""
-    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
-
-
 def reference_markdown(schema: type = Config) -> str:
     """A Markdown table of every config key, its default and its comment (for the README).
 

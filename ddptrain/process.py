@@ -19,8 +19,8 @@ class PreemptionFlag:
     """Turns preemption signals (SIGTERM, SIGUSR1, ...) into a flag the training loop polls.
 
     The handler only sets a flag: saving from inside a signal handler could interrupt a
-    collective half-way. Use as a context manager around the training loop; the previous
-    handlers are restored on exit.
+    collective half-way. ``install()`` before the training loop, ``restore()`` after it puts the
+    previous handlers back.
 
     Args:
         names: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
@@ -50,13 +50,6 @@ class PreemptionFlag:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old = {}
-
-    def __enter__(self) -> "PreemptionFlag":
-        self.install()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
 
 def budget_cpu_threads(loader: Any) -> None:

@@ -107,8 +107,8 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.skipped_steps = 0
         self.last_eval: dict = {}
+        self.last_eval_step: Optional[int] = None
         self.preemption = PreemptionFlag(t.preempt_signals)
-        self._preempted = False
         self._last_saved_step = -1
         self._resume_rng: Optional[dict] = None
         self._last_batch: Any = None  # host copy of the last non-empty batch (see train_step)
@@ -132,6 +132,7 @@ class Trainer:
         t, c = self.cfg.trainer, self.cfg.checkpoint
         window = {"loss": 0.0, "units": 0.0, "time": time.perf_counter(), "wait": 0.0, "steps": 0}
         batches = None
+        preempted = False
         try:
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             while self.step < self.total_steps:
@@ -157,15 +158,15 @@ class Trainer:
                     if self.eval_data is not None and t.eval_every > 0 and self.step % t.eval_every == 0:
                         self.evaluate()
                     if out["preempt"]:  # agreed by all ranks inside train_step's all-reduce
-                        self._preempted = True
+                        preempted = True
                         break
                     if c.every_steps > 0 and self.step % c.every_steps == 0:
                         self.save()
-                if self._preempted:
+                if preempted:
                     break
                 if epoch_ended or self.batches_done >= self.batches_per_epoch:
                     self.epoch, self.batches_done = self.epoch + 1, 0
-            if self._preempted:
+            if preempted:
                 self.logger.print(f"preemption signal: saving at step {self.step} and exiting")
                 self.save()
                 raise SystemExit(t.preempt_exit_code)
@@ -315,7 +316,7 @@ class Trainer:
         }
         rank_state = {"rng": ckpt.rng_state(), "sampler": sampler_state}
         shard = self.optimizer.optim.state_dict() if zero else None
-        metrics = self.last_eval if getattr(self, "last_eval_step", None) == self.step else {}
+        metrics = self.last_eval if self.last_eval_step == self.step else {}
         meta = {"epoch": self.epoch, "world_size": self.info.world_size, "zero": zero,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
         path = ckpt.save_checkpoint(self.ckpt_root, self.step, self.module, trainer_state, rank_state,
