@@ -595,7 +595,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
 
     est = estimate_model_state(trainer.module, cfg, ws)
     extra = {"mem_after_init_gb": mem_init / 1e9, "mem_at_rest_gb": mem_rest / 1e9,
-             "recomputed_modules": len(trainer.recomputed),
+             "recomputed_modules": len(trainer.recomputed), "compiled_modules": len(trainer.compiled),
              "estimate_gb": {k: round(v / 1e9, 3) for k, v in est.items() if not k.startswith("num_")},
              "num_params": est["num_params"], "num_trainable": est["num_trainable"]}
     if exp.get("profile") or exp.get("syncs"):

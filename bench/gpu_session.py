@@ -25,6 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 WR = ["recompute.enabled=true", "recompute.module_classes=[WhisperEncoderLayer,WhisperDecoderLayer]"]
+WC = ["compile.enabled=true", "compile.module_classes=[WhisperEncoderLayer,WhisperDecoderLayer]"]
+VC = ["compile.enabled=true", "compile.module_classes=[Wav2Vec2EncoderLayerStableLayerNorm]"]
 
 
 def E(name, peer, **kw):
@@ -114,6 +116,61 @@ PLANS = {
                 E("hf_gbl_b48", "hf", batch=48, hf_group=1),
                 E("best_400_def_hook", "ddptrain", budget=400, deferred=1, profile=1, ov=["dist.comm_hook=bf16"]),
             ], 70, 9, 8, {"replay": 8}),
+        ],
+    ],
+    # call 3 (session 2): cheap knobs measured before building on them: flash instead of cuDNN
+    # attention, whole-model torch.compile, and ZeRO with parameters_as_bucket_view
+    "call3": [
+        [
+            ("wh1", "0", "whisper", [
+                E("ddp_b16", "ddptrain", batch=16, profile=1),
+                E("ddp_b16_flash", "ddptrain", batch=16, sdpa="no_cudnn", profile=1),
+                E("ddp_b16_compile", "ddptrain", batch=16, ov=["compile.enabled=true"]),
+            ], 330, 9, 8, {"replay": 8}),
+            ("w2v1", "1", "wav2vec2", [
+                E("ddp_400", "ddptrain", budget=400, syncs=1),
+                E("ddp_400_flash", "ddptrain", budget=400, sdpa="no_cudnn"),
+                E("ddp_400_compile", "ddptrain", budget=400, ov=["compile.enabled=true"]),
+            ], 330, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("b32_rc2_hook", "ddptrain", batch=32, ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16"]),
+                E("b32_rc2_hook_zero", "ddptrain", batch=32,
+                  ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16", "optim.zero=true"]),
+                E("b32_rc2_hook_zero_bv", "ddptrain", batch=32,
+                  ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16", "optim.zero=true", "optim.zero_bucket_view=true"]),
+            ], 200, 7, 6, {"replay": 6}),
+        ],
+    ],
+    # call 4 (session 2): regional torch.compile of the repeated blocks (ddptrain.compile), with and
+    # without activation checkpointing, against the HF Trainer in the same run
+    "call4": [
+        [
+            ("wh1", "0", "whisper", [
+                E("comp_b16", "ddptrain", batch=16, profile=1, ov=WC),
+                E("comp_b16_rc1", "ddptrain", batch=16, ov=WC + WR + ["recompute.every_k=1"]),
+                E("comp_b16_rc2", "ddptrain", batch=16, ov=WC + WR + ["recompute.every_k=2"]),
+                E("eager_b16_rc1", "ddptrain", batch=16, ov=WR + ["recompute.every_k=1"]),
+            ], 300, 9, 8, {"replay": 8}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_400", "ddptrain", budget=400, profile=1, ov=VC),
+                E("comp_600", "ddptrain", budget=600, ov=VC),
+            ], 150, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("hf_b8", "hf", batch=8),
+                E("comp_b16", "ddptrain", batch=16, ov=WC),
+                E("comp_b24_rc2_hook", "ddptrain", batch=24, ov=WC + WR + ["recompute.every_k=2", "dist.comm_hook=bf16"]),
+            ], 200, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+                E("comp_400", "ddptrain", budget=400, ov=VC),
+                E("comp_600", "ddptrain", budget=600, ov=VC),
+            ], 150, 9, 8, {"replay": 8}),
         ],
     ],
 }

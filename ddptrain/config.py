@@ -44,7 +44,6 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5  # abort after this many consecutive non-finite steps
     device: str = "auto"  # auto (cuda:LOCAL_RANK if available else cpu) | cpu | cuda
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower; for bitwise tests)
-    compile: bool = False  # torch.compile the (DDP-wrapped) model for training steps
     fp16_init_scale: float = 65536.0  # GradScaler initial loss scale
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these
@@ -73,7 +72,7 @@ class OptimConfig:
     nesterov: bool = False  # SGD Nesterov momentum
     fused: str = "auto"  # auto (fused kernels on CUDA) | true | false
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
-    zero_bucket_view: bool = False  # ZeRO: flat parameter buckets, one broadcast per rank after the step (not yet measured on GPU)
+    zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step (BENCHMARKS.md: -1% vs -5% throughput)
 
 
 @dataclass
@@ -113,6 +112,16 @@ class RecomputeConfig:
 
 
 @dataclass
+class CompileConfig:
+    enabled: bool = False  # torch.compile the model for training steps (fuses casts, copies, elementwise chains)
+    module_classes: list[str] = field(default_factory=list)  # compile only modules of these class names ("regional"); empty + no globs = whole model
+    name_globs: list[str] = field(default_factory=list)  # ... and/or modules whose names match these globs
+    mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs
+    dynamic: str = "auto"  # auto (static shapes, dynamic after the first shape change) | true | false
+    backend: str = "inductor"  # torch.compile backend (aot_eager: trace without code generation, for debugging)
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -121,6 +130,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
 
@@ -132,6 +142,8 @@ _CHOICES = {
     "optim.fused": ("auto", "true", "false"),
     "scheduler.name": ("constant", "warmup_cosine", "warmup_linear", "noam", "inverse_sqrt"),
     "checkpoint.best_mode": ("min", "max"),
+    "compile.mode": ("default", "max-autotune-no-cudagraphs"),
+    "compile.dynamic": ("auto", "true", "false"),
 }
 
 

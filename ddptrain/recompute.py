@@ -28,7 +28,7 @@ import contextlib
 import fnmatch
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -210,9 +210,10 @@ class _RecomputeForward:
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self.compiled: Optional[Callable] = None  # set by ddptrain.compile: the class forward, compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = functools.partial(type(self.module).forward, self.module)
+        forward = functools.partial(self.compiled or type(self.module).forward, self.module)
         if self.module.training and torch.is_grad_enabled():
             return checkpoint(forward, *args, **kwargs)
         return forward(*args, **kwargs)  # eval / no_grad: nothing to save, nothing to recompute
@@ -252,7 +253,26 @@ def apply_recompute(model: nn.Module, cfg: "RecomputeConfig") -> list[str]:
         raise ValueError(f"recompute.every_k must be >= 1, got {cfg.every_k}")
     if any(isinstance(m.__dict__.get("forward"), _RecomputeForward) for m in model.modules()):
         raise ValueError("model already has recompute applied; call remove_recompute() first")
-    classes, globs = set(cfg.module_classes), list(cfg.name_globs)
+    matched = match_modules(model, cfg.module_classes, cfg.name_globs, "recompute")
+    chosen = matched[:: cfg.every_k]
+    for _, module in chosen:
+        module.forward = _RecomputeForward(module)
+    return [name for name, _ in chosen]
+
+
+def match_modules(model: nn.Module, module_classes: Iterable[str], name_globs: Iterable[str],
+                  what: str) -> list[tuple[str, nn.Module]]:
+    """The ``(name, module)`` pairs selected by class name or dotted-name glob, outermost only.
+
+    Shared by recompute and regional compilation (:mod:`ddptrain.compile`) so both config
+    sections select modules the same way. Containers without a ``forward`` are never selected,
+    and a match nested inside an earlier match is skipped.
+
+    Raises:
+        ValueError: nothing matched; the message names the patterns, ``what`` (the config
+            section) and some class names that do exist in the model.
+    """
+    classes, globs = set(module_classes), list(name_globs)
     matched: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not _has_forward(module) or any(name.startswith(p + ".") or p == "" for p, _ in matched):
@@ -261,13 +281,10 @@ def apply_recompute(model: nn.Module, cfg: "RecomputeConfig") -> list[str]:
             matched.append((name, module))
     if not matched:
         present = sorted({type(m).__name__ for m in model.modules()})[:20]
-        raise ValueError(f"recompute is enabled but no module matched module_classes="
+        raise ValueError(f"{what} is enabled but no module matched module_classes="
                          f"{sorted(classes)} name_globs={globs}; class names in this model "
                          f"include {present}")
-    chosen = matched[:: cfg.every_k]
-    for _, module in chosen:
-        module.forward = _RecomputeForward(module)
-    return [name for name, _ in chosen]
+    return matched
 
 
 def remove_recompute(model: nn.Module) -> list[str]:

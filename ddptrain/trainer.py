@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import dist
+from ddptrain.compile import apply_compile, compile_options
 from ddptrain.config import Config, to_yaml
 from ddptrain.logging import RunLogger
 from ddptrain.optim import build_optimizer, build_scheduler, is_zero
@@ -83,10 +84,12 @@ class Trainer:
             from ddptrain.recompute import apply_recompute
 
             self.recomputed = apply_recompute(model, config.recompute)
+        self.compiled = apply_compile(model, config.compile)  # regional: selected blocks only
         self.module = model
         self.model = self._wrap_ddp(model) if self.info.distributed else model
-        if t.compile:  # after DDP: its optimizer splits the graph at bucket boundaries to overlap comms
-            self.model = torch.compile(self.model)
+        if config.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
+            # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
+            self.model = torch.compile(self.model, **compile_options(config.compile))
         self.optimizer = build_optimizer(model, config.optim, self.device)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
