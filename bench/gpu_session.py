@@ -26,7 +26,9 @@ ROOT = os.path.dirname(HERE)
 
 WR = ["recompute.enabled=true", "recompute.module_classes=[WhisperEncoderLayer,WhisperDecoderLayer]"]
 WC = ["compile.enabled=true", "compile.module_classes=[WhisperEncoderLayer,WhisperDecoderLayer]"]
-VC = ["compile.enabled=true", "compile.module_classes=[Wav2Vec2EncoderLayerStableLayerNorm]"]
+VC = ["compile.enabled=true", "compile.module_classes=[Wav2Vec2EncoderLayerStableLayerNorm,Wav2Vec2FeatureEncoder,"
+      "Wav2Vec2FeatureProjection,Wav2Vec2PositionalConvEmbedding]"]
+P = ["trainer.param_dtype=bf16"]
 
 
 def E(name, peer, **kw):
@@ -171,6 +173,38 @@ PLANS = {
                 E("comp_400", "ddptrain", budget=400, ov=VC),
                 E("comp_600", "ddptrain", budget=600, ov=VC),
             ], 150, 9, 8, {"replay": 8}),
+        ],
+    ],
+    # call 5 (session 2): bf16 model + fp32 master weights (trainer.param_dtype=bf16), with
+    # whole-model and regional compile; activation checkpointing cost; ZeRO; peers in the same run
+    "call5": [
+        [
+            ("wh1", "0", "whisper", [
+                E("eager_b16_p16", "ddptrain", batch=16, ov=P),
+                E("eager_b16_p16_rc1", "ddptrain", batch=16, ov=P + WR + ["recompute.every_k=1"]),
+                E("whole_b16_p16", "ddptrain", batch=16, profile=1, ov=P + ["compile.enabled=true"]),
+                E("reg_b16_p16", "ddptrain", batch=16, ov=P + WC),
+                E("reg_b16_p16_rc1", "ddptrain", batch=16, ov=P + WC + WR + ["recompute.every_k=1"]),
+            ], 330, 9, 8, {"replay": 8}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_400_p16", "ddptrain", budget=400, profile=1, ov=P + VC),
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+            ], 150, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("hf_b8", "hf", batch=8),
+                E("whole_b16_p16", "ddptrain", batch=16, ov=P + ["compile.enabled=true"]),
+                E("whole_b16_p16_zero", "ddptrain", batch=16, ov=P + ["compile.enabled=true", "optim.zero=true"]),
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+            ], 230, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+                E("comp_400_p16", "ddptrain", budget=400, ov=P + VC),
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+            ], 140, 9, 8, {"replay": 8}),
         ],
     ],
 }

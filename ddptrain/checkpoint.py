@@ -29,7 +29,7 @@ import random
 import re
 import shutil
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -109,17 +109,39 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def save_weights(model: nn.Module, path: str) -> None:
-    """Model weights as safetensors. Tied (shared) tensors are stored as separate copies so the
-    file loads with plain ``safetensors.torch.load_file`` + ``load_state_dict``."""
+def save_weights(model: Union[nn.Module, dict], path: str) -> None:
+    """Model weights (a module, or a state dict) as safetensors. Tied (shared) tensors are stored
+    as separate copies so the file loads with plain ``safetensors.torch.load_file`` +
+    ``load_state_dict``."""
     state, seen = {}, set()
-    for k, v in unwrap(model).state_dict().items():
+    weights = model if isinstance(model, dict) else unwrap(model).state_dict()
+    for k, v in weights.items():
         t = v.detach()
         if t.data_ptr() in seen and t.numel() > 0:
             t = t.clone()
         seen.add(t.data_ptr())
         state[k] = t.to("cpu").contiguous()
     save_file(state, path, metadata={"format": "pt", "writer": "ddptrain"})
+
+
+def _read_weights(path: str) -> tuple[str, dict]:
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
+        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
+        path = latest if latest else path
+    if os.path.isdir(path):
+        path = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"weights file not found: {path}")
+    try:
+        return path, load_file(path)
+    except Exception as e:
+        raise CheckpointError(f"cannot read weights {path}: {e}") from e
+
+
+def read_weights(path: str) -> dict:
+    """The saved tensors, by name, as stored (a file, checkpoint folder or run folder, as in
+    :func:`load_weights`)."""
+    return _read_weights(path)[1]
 
 
 def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
@@ -138,17 +160,7 @@ def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
         CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
             readable diff.
     """
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
-        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
-        path = latest if latest else path
-    if os.path.isdir(path):
-        path = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"weights file not found: {path}")
-    try:
-        saved = load_file(path)
-    except Exception as e:
-        raise CheckpointError(f"cannot read weights {path}: {e}") from e
+    path, saved = _read_weights(path)
     target = unwrap(model)
     own = target.state_dict()
     missing = sorted(set(own) - set(saved))
@@ -225,7 +237,7 @@ def _fsync_dir(path: str) -> None:
 def save_checkpoint(
     root: str,
     step: int,
-    model: nn.Module,
+    model: Union[nn.Module, dict],
     trainer_state: dict,
     rank_state: dict,
     optimizer_shard: Optional[dict],
@@ -236,6 +248,7 @@ def save_checkpoint(
 
     Args:
         root: the checkpoints folder.
+        model: the model, or the state dict to save as its weights (the fp32 masters).
         trainer_state: written by rank 0 (optimizer when not sharded, scheduler, scaler, counters).
         rank_state: this rank's own state (RNG, sampler position).
         optimizer_shard: this rank's ZeRO optimizer shard, or None.

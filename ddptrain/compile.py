@@ -49,8 +49,8 @@ def apply_compile(model: nn.Module, cfg: "CompileConfig") -> list[str]:
     """Compile the submodules of ``model`` selected by ``cfg``, in place (regional compilation).
 
     Apply it to the bare model *after* :func:`ddptrain.recompute.apply_recompute` and *before*
-    DDP. Parameter names and ``state_dict()`` keys do not change (``nn.Module.compile`` wraps the
-    call, not the module), so checkpoints load into an uncompiled model.
+    DDP. Only the instance's ``forward`` is replaced, so parameter names and ``state_dict()``
+    keys do not change and checkpoints load into an uncompiled model.
 
     Args:
         model: the model to modify.
@@ -66,18 +66,35 @@ def apply_compile(model: nn.Module, cfg: "CompileConfig") -> list[str]:
     if not (cfg.enabled and is_regional(cfg)):
         return []
     opts = compile_options(cfg)
-    per_class: dict[type, Any] = {}  # one compiled (unbound) forward per block class
+    per_class: dict[type, Any] = {}
     names = []
     for name, module in match_modules(model, cfg.module_classes, cfg.name_globs, "compile"):
-        recompute = module.__dict__.get("forward")
-        if isinstance(recompute, _RecomputeForward):
-            # compile the region's own forward; the recompute wrapper around it stays eager. The
-            # module is an argument, not baked in, so a deepcopy of the model (EMA) stays correct.
-            cls = type(module)
-            if cls not in per_class:
-                per_class[cls] = torch.compile(cls.forward, **opts)
-            recompute.compiled = per_class[cls]
+        # One compiled *unbound* forward per block class, the module passed as an argument: every
+        # class has its own code object, so its compiled variants (static, then dynamic shapes)
+        # never compete for dynamo's per-code-object recompile limit with other classes (as
+        # they would through nn.Module.compile, which compiles the shared Module._call_impl);
+        # past that limit dynamo silently runs a frame eagerly. And a deepcopy of the model (EMA)
+        # calls the same compiled code with its own weights.
+        cls = type(module)
+        if cls not in per_class:
+            per_class[cls] = torch.compile(cls.forward, **opts)
+        wrapper = module.__dict__.get("forward")
+        if isinstance(wrapper, _RecomputeForward):
+            wrapper.compiled = per_class[cls]  # the recompute wrapper around it stays eager
         else:
-            module.compile(**opts)
+            module.forward = _CompiledForward(module, per_class[cls])
         names.append(name)
     return names
+
+
+class _CompiledForward:
+    """Instance-level ``forward`` calling the class's compiled forward with this module.
+
+    Module hooks still run (eagerly) around it: ``nn.Module.__call__`` calls ``self.forward``.
+    """
+
+    def __init__(self, module: nn.Module, compiled: Any):
+        self.module, self.compiled = module, compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(self.module, *args, **kwargs)

@@ -38,6 +38,7 @@ class TrainerConfig:
     max_steps: int = 0  # optimizer steps to run; 0 = run max_epochs
     grad_accum_steps: int = 1  # micro-batches per optimizer step (per rank)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
+    param_dtype: str = "fp32"  # fp32 | bf16: with precision bf16, a bf16 model + fp32 master weights in the optimizer (no weight casts, bf16 grads)
     clip_grad_norm: float = 0.0  # clip the global grad norm to this; 0 = no clipping (norm still logged)
     seed: int = 0  # model init / dropout seed; each rank adds its rank
     eval_every: int = 0  # evaluate every N optimizer steps; 0 = only at the end
@@ -136,6 +137,7 @@ class Config:
 
 _CHOICES = {
     "trainer.precision": ("fp32", "bf16", "fp16"),
+    "trainer.param_dtype": ("fp32", "bf16"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.comm_hook": ("none", "bf16", "fp16"),
     "optim.name": ("adamw", "adam", "sgd"),
@@ -183,6 +185,10 @@ def load_config(
         value = OmegaConf.select(cfg, key)
         if value is not None and str(value).lower() not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    if str(OmegaConf.select(cfg, "trainer.param_dtype")).lower() == "bf16" \
+            and str(OmegaConf.select(cfg, "trainer.precision")).lower() != "bf16":
+        raise ConfigError("trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters "
+                          "would need loss scaling of bf16 master gradients: not supported)")
     return OmegaConf.to_object(cfg)
 
 

@@ -152,3 +152,28 @@ def all_gather_object(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy ``src``'s parameters and buffers to every rank (what DDP does when it wraps a model).
+
+    Needed where state is derived from the weights *before* DDP exists: the fp32 master weights
+    of ``trainer.param_dtype: bf16`` are copied from the fp32 model, so it must already be the
+    same on every rank. Tensors go in flat chunks of up to 256 MB per dtype.
+    """
+    if not is_initialized() or dist.get_world_size() == 1:
+        return
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel() > 0]
+    chunk: list[torch.Tensor] = []
+    for i, t in enumerate(tensors):
+        chunk.append(t)
+        last = i == len(tensors) - 1
+        if last or tensors[i + 1].dtype != t.dtype or sum(c.numel() * c.element_size() for c in chunk) > 256 << 20:
+            flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for c in chunk:
+                c.copy_(flat[offset:offset + c.numel()].view_as(c))
+                offset += c.numel()
+            chunk = []

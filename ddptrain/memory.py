@@ -23,6 +23,10 @@ So plain DDP + AdamW costs 16 B/parameter on every rank, and ZeRO over N ranks
 *transient* bf16/fp16 weight copies autocast makes in the forward pass (2 B/parameter, kept
 until backward has used them), reported separately as ``autocast_weight_copies``.
 
+With ``trainer.param_dtype: bf16`` (a bf16 model with fp32 master weights): 2 (weights) + 2
+(gradients) + 4 (masters) + 8 or 8/N (Adam) = 16 B, or ``8 + 8/N`` with ZeRO, no autocast copies,
+and a transient fp32 gradient for the rank's own shard during the step (``master_grads``).
+
 Given a model (not only a parameter count) the estimate uses the real dtypes, counts frozen
 parameters as parameters only, and reproduces ZeroRedundancyOptimizer's greedy partition so the
 optimizer figure is that of the most loaded rank.
@@ -121,17 +125,27 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         shard = -(-num_trainable // world_size) if zero else num_trainable
         opt_bytes = per_state * shard
 
+    masters = master_grads = 0
+    if str(cfg.trainer.param_dtype).lower() == "bf16":
+        # bf16 model + fp32 masters (ddptrain.precision.MasterWeights): the weights and gradients
+        # shrink to 2 B, the masters add 4 B (every rank: ZeRO shards only the optimizer state),
+        # the Adam state stays fp32, and the step makes fp32 gradients for the rank's own shard
+        param_bytes, grad_bytes = 2 * num_params, 2 * num_trainable
+        masters, master_grads = 4 * num_trainable, 4 * shard
+        opt_bytes = shard * per_state
     buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view else 0
-    autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") else 0
+    autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") and not masters else 0
     # frozen weights are cast too, but count the trainable ones: a frozen feature encoder's
     # casts are freed as soon as its (gradient-free) forward is done
     return {
         "params": int(param_bytes),
         "grads": int(grad_bytes),
+        "masters": int(masters),
         "optimizer": int(opt_bytes),
         "ddp_buckets": int(buckets),
-        "total": int(param_bytes + grad_bytes + opt_bytes + buckets),
+        "total": int(param_bytes + grad_bytes + masters + opt_bytes + buckets),
         "autocast_weight_copies": int(autocast),
+        "master_grads": int(master_grads),
         "num_params": int(num_params),
         "num_trainable": int(num_trainable),
     }
@@ -140,9 +154,10 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
 def format_table(est: dict, title: str = "") -> str:
     """A small fixed-width table (GB = 1e9 bytes and GiB) of an :func:`estimate_model_state` result."""
     n = max(est["num_trainable"], 1)
-    rows = [("parameters", est["params"]), ("gradients", est["grads"]), ("optimizer state", est["optimizer"]),
-            ("DDP buckets (extra)", est["ddp_buckets"]), ("total model state", est["total"]),
-            ("+ autocast copies (transient)", est["autocast_weight_copies"])]
+    rows = [("parameters", est["params"]), ("gradients", est["grads"]), ("fp32 master weights", est["masters"]),
+            ("optimizer state", est["optimizer"]), ("DDP buckets (extra)", est["ddp_buckets"]),
+            ("total model state", est["total"]), ("+ autocast copies (transient)", est["autocast_weight_copies"]),
+            ("+ fp32 master grads (transient)", est["master_grads"])]
     lines = [title] if title else []
     lines.append(f"{'':32s}{'GB':>10s}{'GiB':>10s}{'B/param':>10s}")
     for name, b in rows:
@@ -161,6 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-momentum", action="store_true", help="SGD without momentum")
     p.add_argument("--no-bucket-view", action="store_true", help="dist.gradient_as_bucket_view=false")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="trainer.param_dtype (bf16: bf16 model + fp32 master weights; needs --precision bf16)")
     args = p.parse_args(argv)
 
     from ddptrain.config import Config
@@ -169,10 +186,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg.optim.name, cfg.optim.zero = args.optim, args.zero
     cfg.optim.momentum = 0.0 if args.no_momentum else cfg.optim.momentum
     cfg.dist.gradient_as_bucket_view = not args.no_bucket_view
-    cfg.trainer.precision = args.precision
+    cfg.trainer.precision, cfg.trainer.param_dtype = args.precision, args.param_dtype
     est = estimate_model_state(args.params, cfg, args.world_size)
     title = (f"{args.params:.3g} parameters, {args.world_size} GPU(s), optim={args.optim}"
              f"{' + ZeRO' if cfg.optim.zero and args.world_size > 1 else ''}, precision={args.precision}"
+             f"{', param_dtype=bf16' if args.param_dtype == 'bf16' else ''}"
              f"{', gradient_as_bucket_view=false' if args.no_bucket_view else ''} (per GPU)")
     print(format_table(est, title))
     return 0

@@ -13,7 +13,7 @@ gradient: clipping by global norm and the GradScaler's inf check need no extra c
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -46,18 +46,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    param_map: Optional[dict] = None) -> torch.optim.Optimizer:
     """The optimizer the config names, optionally ZeRO-sharded over the process group.
 
     Args:
         model: the (unwrapped) model; only parameters with ``requires_grad`` are optimised.
         cfg: the ``optim`` config section.
         device: training device; fused Adam kernels are used on CUDA when ``fused: auto``.
+        param_map: model parameter -> the tensor the optimizer updates instead (the fp32
+            masters of :class:`ddptrain.precision.MasterWeights`); groups are chosen on the model.
 
     Raises:
         ValueError: no trainable parameters.
     """
     groups = param_groups(model, cfg.weight_decay)
+    if param_map:
+        groups = [dict(g, params=[param_map.get(p, p) for p in g["params"]]) for g in groups]
     if not groups:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
     name = cfg.name.lower()

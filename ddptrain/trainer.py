@@ -31,7 +31,7 @@ from ddptrain.compile import apply_compile, compile_options
 from ddptrain.config import Config, to_yaml
 from ddptrain.logging import RunLogger
 from ddptrain.optim import build_optimizer, build_scheduler, is_zero
-from ddptrain.precision import Precision
+from ddptrain.precision import MasterWeights, Precision
 from ddptrain.process import PreemptionFlag, budget_cpu_threads, shield_workers_from_signals
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
@@ -85,13 +85,22 @@ class Trainer:
 
             self.recomputed = apply_recompute(model, config.recompute)
         self.compiled = apply_compile(model, config.compile)  # regional: selected blocks only
+        self.master: Optional[MasterWeights] = None
+        if t.param_dtype == "bf16":  # bf16 model, fp32 masters in the optimizer
+            if self.info.distributed:
+                dist.broadcast_module(model)  # the masters are made here: same start on every rank
+            self.master = MasterWeights(model, torch.bfloat16)
         self.module = model
         self.model = self._wrap_ddp(model) if self.info.distributed else model
         if config.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
             self.model = torch.compile(self.model, **compile_options(config.compile))
-        self.optimizer = build_optimizer(model, config.optim, self.device)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.optimizer = build_optimizer(model, config.optim, self.device,
+                                         self.master.to_master if self.master else None)
+        # the tensors whose gradients backward fills (the model's; with masters they are bf16)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._owned = ({id(p) for g in self.optimizer.optim.param_groups for p in g["params"]}
+                       if is_zero(self.optimizer) else None)  # the masters this rank updates
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
 
         for loader in (train_data, eval_data):
@@ -220,8 +229,8 @@ class Trainer:
         # DDP has all-reduced the gradients, so every rank holds the same ones and the same norm.
         self.precision.unscale_(self.optimizer)  # fp16: true (unscaled) gradients from here on
         grads = [p.grad for p in self.params if p.grad is not None]
-        raw_norm = (torch.nn.utils.get_total_norm(grads, foreach=True).double() if grads
-                    else torch.zeros((), dtype=torch.float64, device=self.device))
+        raw_norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).double()
+                    if grads else torch.zeros((), dtype=torch.float64, device=self.device))
         # One small all-reduce and one host sync per step: global loss sum, global unit count,
         # the preemption flag, and the (identical on every rank) gradient norm.
         stop = torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=self.device)
@@ -239,7 +248,10 @@ class Trainer:
         if finite and clip > 0 and norm > clip:
             factor *= clip / (norm + 1e-6)
         if finite and grads:
-            torch._foreach_mul_(grads, factor)
+            if self.master:  # fp32 master grads = factor x bf16 grads (only this rank's shard under ZeRO)
+                self.master.load_grads(factor, self._owned)
+            else:
+                torch._foreach_mul_(grads, factor)
         stepped = False
         if finite:
             stepped = self.precision.step(self.optimizer)  # fp16: False if the scaler skipped it
@@ -247,7 +259,11 @@ class Trainer:
             self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
         if stepped:
             self.scheduler.step()  # the schedule only advances with real updates
+            if self.master:
+                self.master.copy_to_model()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master:
+            self.master.zero_model_grads()
         self._check_nonfinite(norm, stepped, loss_sum, micro_batches)
         if units > 0:
             self.unit_scale = self.info.world_size * len(micro_batches) / units
@@ -322,7 +338,8 @@ class Trainer:
         metrics = self.last_eval if self.last_eval_step == self.step else {}
         meta = {"epoch": self.epoch, "world_size": self.info.world_size, "zero": zero,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
-        path = ckpt.save_checkpoint(self.ckpt_root, self.step, self.module, trainer_state, rank_state,
+        weights = self.master.state_dict(self.module) if self.master else self.module  # fp32 masters
+        path = ckpt.save_checkpoint(self.ckpt_root, self.step, weights, trainer_state, rank_state,
                                     shard, meta, self.device)
         self._last_saved_step = self.step
         if self.info.is_main:
@@ -340,6 +357,8 @@ class Trainer:
             return  # resume: auto on a fresh run folder starts from scratch
         state = ckpt.load_checkpoint(path, self.info.world_size, self.info.rank)
         ckpt.load_weights(self.module, path, strict=True)
+        if self.master:  # the file holds the fp32 masters: read them again at full precision
+            self.master.load_state_dict(ckpt.read_weights(path), self.module)
         tr = state["trainer"]
         if is_zero(self.optimizer):
             if state["optimizer_shard"] is None:

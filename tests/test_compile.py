@@ -10,15 +10,20 @@ vs compiled-without-recompute runs with dropout on and must agree exactly.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 from torch import nn
 
+import ddptrain
+
 from ddptrain.compile import apply_compile
 from ddptrain.config import CompileConfig, RecomputeConfig
 from ddptrain.recompute import apply_recompute
-from tests.test_recompute import TinyTransformer, _grads
+from _dist import run_ranks
+from test_recompute import TinyTransformer, _grads
+from test_trainer import FrameMLP, concat, frame_loss, make_cfg, micro_batches, params_of
 
 
 def _cfg(**kw) -> CompileConfig:
@@ -106,11 +111,6 @@ def test_disabled_or_whole_model_config_leaves_the_model_alone():
 
 
 def _trainer_worker(rank, world, out, steps):
-    import os
-
-    import ddptrain
-    from tests.test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches, params_of
-
     torch.manual_seed(0)
     model = FrameMLP()
     cfg = make_cfg(os.path.join(out, "compiled"), f"trainer.max_steps={steps}", "checkpoint.save_at_end=false",
@@ -125,10 +125,6 @@ def _trainer_worker(rank, world, out, steps):
 
 @pytest.mark.timeout(180)
 def test_trainer_with_regional_compile_and_recompute_on_two_ranks_matches_eager(tmp_path):
-    import ddptrain
-    from tests._dist import run_ranks
-    from tests.test_trainer import FrameMLP, concat, frame_loss, make_cfg, micro_batches, params_of
-
     steps = 3
     run_ranks(_trainer_worker, 2, str(tmp_path), steps)
     torch.manual_seed(0)

@@ -1,0 +1,87 @@
+"""Tests for ddptrain/precision.py's MasterWeights (trainer.param_dtype=bf16): fp32 masters take
+updates a bf16 weight cannot hold, BatchNorm stays fp32, checkpoints hold the masters exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import ddptrain
+from test_trainer import make_cfg
+
+BF16 = ("trainer.precision=bf16", "trainer.param_dtype=bf16")
+
+
+class Weights(nn.Module):
+    """One weight matrix whose gradient is a known constant: loss = sum(C * W)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 2.0, 64).reshape(8, 8))
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.norm(x @ self.w)
+
+
+C = torch.tensor([0.5, -0.25, 1.0, -2.0] * 16).reshape(8, 8)  # exact in bf16
+
+
+def const_grad_loss(model, batch):
+    w = model.module.w if hasattr(model, "module") else model.w
+    out = model(batch["x"])  # exercises the bf16 forward through a fp32 BatchNorm
+    return (C * w).sum() + 0.0 * out.float().sum(), 1
+
+
+def test_masters_take_updates_below_bf16_resolution(tmp_path):
+    steps, lr = 5, 1e-4  # an Adam step moves each weight by ~lr: far below bf16's 2^-8 relative
+    model = Weights()
+    w0 = model.w.detach().clone()
+    cfg = make_cfg(tmp_path, f"trainer.max_steps={steps}", f"optim.lr={lr}", "optim.weight_decay=0.0",
+                   "checkpoint.save_at_end=false", *BF16)
+    trainer = ddptrain.Trainer(model, const_grad_loss, cfg, [{"x": torch.randn(4, 8)}] * steps)
+    assert model.w.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.float32
+    assert model.norm.running_mean.dtype == torch.float32
+    trainer.fit()
+
+    ref = nn.Parameter(w0.clone())  # what fp32 AdamW does with the same (exact) gradients
+    opt = torch.optim.AdamW([ref], lr=lr, weight_decay=0.0, foreach=True)
+    for _ in range(steps):
+        ref.grad = C.clone()
+        opt.step()
+    master = trainer.master.to_master[model.w]
+    assert master.dtype == torch.float32
+    assert torch.equal(master.detach(), ref.detach())
+    assert torch.equal(model.w.detach(), ref.detach().to(torch.bfloat16))
+    moved = (master.detach() - w0).abs()
+    assert moved.min() > 0.9 * steps * lr  # every weight moved, in fp32
+    # ...while a bf16 weight updated in place would not have moved at all:
+    assert torch.equal((w0.to(torch.bfloat16) - lr * torch.sign(C).to(torch.bfloat16)), w0.to(torch.bfloat16))
+
+
+def test_checkpoint_holds_fp32_masters_and_resume_restores_them(tmp_path):
+    def run(out, resume):
+        torch.manual_seed(0)
+        model = Weights()
+        cfg = make_cfg(out, "trainer.max_steps=4", "optim.lr=1e-3", "checkpoint.every_steps=2",
+                       "checkpoint.keep_last=0", f"checkpoint.resume={resume}", *BF16)
+        trainer = ddptrain.Trainer(model, const_grad_loss, cfg, [{"x": torch.randn(4, 8)}] * 4)
+        trainer.fit()
+        return trainer
+
+    full = run(tmp_path / "full", "none")
+    master = full.master.to_master[full.module.w].detach()
+    saved = load_file(str(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.safetensors"))
+    assert saved["w"].dtype == torch.float32 and torch.equal(saved["w"], master)
+    assert full.module.w.dtype == torch.bfloat16  # the model went back to bf16 after the save
+    resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoints" / "step_00000002"))
+    assert resumed.step == 4
+    assert torch.equal(resumed.master.to_master[resumed.module.w].detach(), master)
+    assert torch.equal(resumed.module.w.detach(), full.module.w.detach())
+
+
+def test_bf16_params_need_bf16_precision():
+    with pytest.raises(ddptrain.ConfigError, match="param_dtype=bf16 needs trainer.precision=bf16"):
+        ddptrain.load_config(None, ["trainer.param_dtype=bf16", "trainer.precision=fp16"])
