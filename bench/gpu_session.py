@@ -207,6 +207,23 @@ PLANS = {
             ], 140, 9, 8, {"replay": 8}),
         ],
     ],
+    # call 6 (session 2): Whisper batch 24/28 on 1 and 2 GPUs (scaling at the best batch), larger
+    # DDP buckets, the HF Trainer again in the same run
+    "call6": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+            ], 120, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("hf_b8", "hf", batch=8),
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_cap200", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=200"]),
+                E("whole_b28_p16_cap200", "ddptrain", batch=28, ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=200"]),
+            ], 250, 7, 6, {"replay": 6}),
+        ],
+    ],
 }
 
 
