@@ -224,6 +224,16 @@ PLANS = {
             ], 250, 7, 6, {"replay": 6}),
         ],
     ],
+    # call 7 (session 2): where the 2-GPU overhead goes (profile), and gradient accumulation 2
+    # (one all-reduce per two micro-batches)
+    "call7": [
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16_acc2", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "trainer.grad_accum_steps=2"]),
+                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
+            ], 185, 8, 6, {"replay": 6}),
+        ],
+    ],
 }
 
 
