@@ -166,14 +166,15 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
         return
     tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel() > 0]
     chunk: list[torch.Tensor] = []
+    size = 0
     for i, t in enumerate(tensors):
         chunk.append(t)
-        last = i == len(tensors) - 1
-        if last or tensors[i + 1].dtype != t.dtype or sum(c.numel() * c.element_size() for c in chunk) > 256 << 20:
+        size += t.numel() * t.element_size()
+        if i == len(tensors) - 1 or tensors[i + 1].dtype != t.dtype or size > 256 << 20:
             flat = torch.cat([c.detach().reshape(-1) for c in chunk])
             dist.broadcast(flat, src=src)
             offset = 0
             for c in chunk:
                 c.copy_(flat[offset:offset + c.numel()].view_as(c))
                 offset += c.numel()
-            chunk = []
+            chunk, size = [], 0

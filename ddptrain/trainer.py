@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -95,6 +96,10 @@ class Trainer:
         if config.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
             self.model = torch.compile(self.model, **compile_options(config.compile))
+            if self.recomputed:
+                warnings.warn(f"compile.enabled with recompute: the {len(self.recomputed)} checkpointed modules "
+                              "run eagerly inside the compiled model; list their classes in "
+                              "compile.module_classes to compile them too", stacklevel=2)
         self.optimizer = build_optimizer(model, config.optim, self.device,
                                          self.master.to_master if self.master else None)
         # the tensors whose gradients backward fills (the model's; with masters they are bf16)

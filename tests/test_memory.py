@@ -136,3 +136,33 @@ def test_cli_prints_table(capsys):
     assert main(["--params", "315e6"]) == 0
     total = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("total model state"))
     assert total.split()[3] == "5.04"
+
+
+def test_bf16_master_weights_rule_and_real_tensors():
+    n = 1000
+    bf = _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16")
+    one = estimate_model_state(n, bf, 1)
+    assert (one["params"], one["grads"], one["masters"], one["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
+    assert one["total"] == 16 * n and one["autocast_weight_copies"] == 0 and one["master_grads"] == 4 * n
+    z2 = estimate_model_state(n, _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.zero=true"), 2)
+    assert z2["optimizer"] == 4 * n and z2["master_grads"] == 2 * n and z2["total"] == 12 * n
+
+    # against the tensors MasterWeights and the optimizer really hold
+    from ddptrain.optim import build_optimizer
+    from ddptrain.precision import MasterWeights
+
+    torch.manual_seed(0)
+    model = Net()
+    est = estimate_model_state(model, bf, 1)
+    master = MasterWeights(model)
+    unique = list({id(p): p for p in model.parameters()}.values())
+    assert sum(p.numel() * p.element_size() for p in unique) == est["params"]
+    assert sum(m.numel() * m.element_size() for _, m in master.pairs) == est["masters"]
+    opt = build_optimizer(model, bf.optim, torch.device("cpu"), master.to_master)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 7), torch.randint(0, 50, (4,))).float().square().sum().backward()
+    assert sum(p.grad.numel() * p.grad.element_size() for p in unique if p.grad is not None) == est["grads"]
+    master.load_grads(1.0)
+    assert sum(m.grad.numel() * m.grad.element_size() for _, m in master.pairs) == est["master_grads"]
+    opt.step()
+    assert _state_bytes(opt) == est["optimizer"]
