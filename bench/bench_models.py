@@ -431,6 +431,7 @@ def summarize(exp, workload, ws, elapsed, stats, waits_s, step_times, mem, extra
         "samples_per_step_per_gpu": g["n"] / max(len(stats), 1) / ws,
         "tflops_per_gpu": per_gpu_tflops, "mfu": per_gpu_tflops * 1e12 / PEAK_BF16,
         "data_wait_frac": wait / elapsed, "step_ms_median": 1e3 * statistics.median(step_times) if step_times else None,
+        "step_ms_all": [round(1e3 * t, 1) for t in step_times],
         **{k: round(v / 1e9, 3) for k, v in m.items()},
         **extra,
     }

@@ -3,10 +3,14 @@
 Why compile at all: in eager mode a transformer layer is dozens of small kernels — layout copies
 around attention, bf16 casts of fp32 weights and activations, bias/GELU/dropout/residual chains —
 and on an H200 those cost as much GPU time as the matmuls do (BENCHMARKS.md: Whisper-large-v3,
-a quarter of the step in copies and casts). Inductor fuses them; Whisper-large-v3 ran 35% faster
-on one H200 (30.3 -> 40.7 windows/s, MFU 27% -> 36%).
+a quarter of the step in copies and casts). Inductor fuses them; Whisper-large-v3 ran 34% faster
+on one H200 with the whole model compiled (30.3 -> 40.7 windows/s, MFU 27% -> 36%).
 
-Why regional: compiling the repeated blocks (``compile.module_classes: [WhisperEncoderLayer,
+Whole model or regional: the whole model is the faster choice where it compiles (Whisper: median
+step 384-391 ms whole vs 437 regional vs 503-529 eager), because the code between the blocks
+(embeddings, masks, a 51,866-way output projection and its loss) gains too. Regional is for
+models the whole-model compile breaks on, and for compiled recompute regions. Compiling the
+repeated blocks (``compile.module_classes: [WhisperEncoderLayer,
 ...]``) compiles each block class once and reuses the code for every instance
 (``torch._dynamo.config.inline_inbuilt_nn_modules``, default on), so compile time does not grow
 with depth; and the code *between* the blocks — attention-mask building, SpecAugment's boolean
