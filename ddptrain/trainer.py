@@ -87,7 +87,7 @@ class Trainer:
             self.recomputed = apply_recompute(model, config.recompute)
         self.compiled = apply_compile(model, config.compile)  # regional: selected blocks only
         self.master: Optional[MasterWeights] = None
-        if t.param_dtype == "bf16":  # bf16 model, fp32 masters in the optimizer
+        if str(t.param_dtype).lower() == "bf16":  # bf16 model, fp32 masters in the optimizer
             if self.info.distributed:
                 dist.broadcast_module(model)  # the masters are made here: same start on every rank
             self.master = MasterWeights(model, torch.bfloat16)
