@@ -105,7 +105,9 @@ class MasterWeights:
     2 B of transient weight copies, with the activations of a bf16 residual stream.
 
     Args:
-        model: the model, on its device; modified in place (parameters and buffers cast).
+        model: the model, on its device, *not yet wrapped in DDP*; modified in place (parameters
+            and buffers cast). Changing a parameter's dtype after DDP has registered its
+            gradient hooks would silently detach them (see :meth:`load_state_dict`).
         dtype: the low-precision dtype (``torch.bfloat16``).
     """
 
