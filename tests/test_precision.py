@@ -85,3 +85,46 @@ def test_checkpoint_holds_fp32_masters_and_resume_restores_them(tmp_path):
 def test_bf16_params_need_bf16_precision():
     with pytest.raises(ddptrain.ConfigError, match="param_dtype=bf16 needs trainer.precision=bf16"):
         ddptrain.load_config(None, ["trainer.param_dtype=bf16", "trainer.precision=fp16"])
+
+
+class Tied(nn.Module):
+    """Embedding and output projection share one weight (as in Whisper's decoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tok):
+        return self.out(torch.tanh(self.mid(self.emb(tok))))
+
+
+def tied_loss(model, batch):
+    logits = model(batch["tok"]).float()
+    return nn.functional.cross_entropy(logits.reshape(-1, 11), batch["tok"].reshape(-1), reduction="sum"), \
+        batch["tok"].numel()
+
+
+def test_tied_weights_have_one_master_and_save_and_resume(tmp_path):
+    def run(out, resume):
+        torch.manual_seed(0)
+        model = Tied()
+        cfg = make_cfg(out, "trainer.max_steps=4", "optim.lr=1e-2", "checkpoint.every_steps=2",
+                       "checkpoint.keep_last=0", f"checkpoint.resume={resume}", *BF16)
+        gen = torch.Generator().manual_seed(1)
+        data = [{"tok": torch.randint(0, 11, (3, 5), generator=gen)} for _ in range(4)]
+        trainer = ddptrain.Trainer(model, tied_loss, cfg, data)
+        trainer.fit()
+        return trainer
+
+    full = run(tmp_path / "full", "none")
+    model = full.module
+    assert model.out.weight is model.emb.weight and len(full.master.pairs) == 3  # emb/out, mid.w, mid.b
+    master = full.master.to_master[model.emb.weight].detach()
+    saved = load_file(str(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.safetensors"))
+    assert torch.equal(saved["emb.weight"], master) and torch.equal(saved["out.weight"], master)
+    resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoints" / "step_00000002"))
+    assert resumed.module.out.weight is resumed.module.emb.weight
+    assert torch.equal(resumed.master.to_master[resumed.module.emb.weight].detach(), master)
