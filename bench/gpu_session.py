@@ -35,7 +35,7 @@ def E(name, peer, **kw):
     return dict(name=name, peer=peer, **kw)
 
 
-# Each job: (label, gpus, workload, experiments, timeout_s[, warmup, steps])
+# Each job: (label, gpus, workload, experiments, timeout_s[, warmup, steps[, defaults[, env]]])
 PLANS = {
     "call1": [
         [  # stage A: one GPU each, concurrently
@@ -234,6 +234,33 @@ PLANS = {
             ], 185, 8, 6, {"replay": 6}),
         ],
     ],
+    # next session (prepared, not yet run): the 2-GPU scaling gap (fewer NCCL channels leave SMs
+    # to the GEMMs?), the Conformer-CTC workload with bf16 masters + compile on CUDA, and a
+    # 1-GPU baseline in the same call
+    "next": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+            ], 120, 7, 6, {"replay": 6}),
+            ("cf1", "1", "conformer", [
+                E("eager", "ddptrain", budget=600),
+                E("p16_comp", "ddptrain", budget=600, ov=P + ["compile.enabled=true", "compile.module_classes=[ConformerLayer]"]),
+            ], 120, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2_nch8", "0,1", "whisper", [
+                E("whole_b24_p16_nch8", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+            ], 100, 7, 6, {"replay": 6}, {"NCCL_MAX_NCHANNELS": "8"}),
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
+            ], 100, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("cf2", "0,1", "conformer", [
+                E("p16_comp", "ddptrain", budget=600, ov=P + ["compile.enabled=true", "compile.module_classes=[ConformerLayer]"]),
+            ], 100, 9, 8, {"replay": 8}),
+        ],
+    ],
 }
 
 
@@ -286,7 +313,10 @@ def run_stage(stage, out_dir, dry, t_start, budget_s):
         cmd = job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port)
         logf = open(os.path.join(out_dir, "logs", f"{label}.log"), "w")
         print(f"[{time.time() - t_start:6.1f}s] start {label} on GPU {gpus}, timeout {timeout:.0f}s", flush=True)
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env_for(gpus, dry), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env = env_for(gpus, dry)
+        if len(job) > 8:  # extra environment for this job (e.g. NCCL settings)
+            env.update(job[8])
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, bufsize=1, start_new_session=True)
         os.set_blocking(p.stdout.fileno(), False)
         return [p, label, time.time() + timeout, logf, ""]
