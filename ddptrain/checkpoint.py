@@ -124,7 +124,13 @@ def save_weights(model: Union[nn.Module, dict], path: str) -> None:
     save_file(state, path, metadata={"format": "pt", "writer": "ddptrain"})
 
 
-def _read_weights(path: str) -> tuple[str, dict]:
+def read_weights(path: str) -> tuple[str, dict]:
+    """``(file, tensors by name)`` of saved weights: ``path`` is a file, a checkpoint folder or
+    a run folder, as in :func:`load_weights`.
+
+    Raises:
+        CheckpointError: file missing or unreadable.
+    """
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
         latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
         path = latest if latest else path
@@ -136,12 +142,6 @@ def _read_weights(path: str) -> tuple[str, dict]:
         return path, load_file(path)
     except Exception as e:
         raise CheckpointError(f"cannot read weights {path}: {e}") from e
-
-
-def read_weights(path: str) -> dict:
-    """The saved tensors, by name, as stored (a file, checkpoint folder or run folder, as in
-    :func:`load_weights`)."""
-    return _read_weights(path)[1]
 
 
 def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
@@ -160,7 +160,12 @@ def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
         CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
             readable diff.
     """
-    path, saved = _read_weights(path)
+    return apply_weights(model, *read_weights(path), strict=strict)
+
+
+def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = True) -> dict:
+    """The second half of :func:`load_weights`: put tensors already read from ``source`` (named
+    in messages) into ``model``, with the same checks, report and errors."""
     target = unwrap(model)
     own = target.state_dict()
     missing = sorted(set(own) - set(saved))
@@ -170,7 +175,7 @@ def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
         for k in set(own) & set(saved) if saved[k].shape != own[k].shape)
     report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
     if strict and (missing or unexpected or mismatched):
-        lines = [f"weights in {path} do not fit the model (pass strict=False to load what fits):"]
+        lines = [f"weights in {source} do not fit the model (pass strict=False to load what fits):"]
         for title, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
                              ("shape mismatch", mismatched)):
             if items:

@@ -133,6 +133,7 @@ class MasterWeights:
                 if b is not None and b.is_floating_point() and id(b) not in keep:
                     setattr(m, name, b.to(dtype))  # else a fp32 buffer promotes activations back to fp32
         self._cast = [(p, m) for p, m in self.pairs if p is not m]
+        self._kept = [p for p, m in self.pairs if p is m]  # fp32 already: the optimizer updates them
 
     def load_grads(self, factor: float, owned: Optional[set] = None) -> None:
         """Master gradients = ``factor`` x the (all-reduced) model gradients, in fp32.
@@ -147,7 +148,7 @@ class MasterWeights:
             torch._foreach_mul_(grads, factor)
             for (_, m), g in zip(cast, grads):
                 m.grad = g
-        kept = [p.grad for p, m in self.pairs if p is m and p.grad is not None]
+        kept = [p.grad for p in self._kept if p.grad is not None]
         if kept:
             torch._foreach_mul_(kept, factor)
 
@@ -164,7 +165,7 @@ class MasterWeights:
     def state_dict(self, module: nn.Module) -> dict:
         """``module.state_dict()`` with the fp32 masters in place of the bf16 parameters: what a
         checkpoint saves, so resuming restores the masters exactly."""
-        masters = {p.data_ptr(): m for p, m in self._cast}
+        masters = self._masters_by_storage()
         return {k: masters[v.data_ptr()].detach() if v.data_ptr() in masters and v.numel() else v
                 for k, v in module.state_dict().items()}
 
@@ -173,8 +174,13 @@ class MasterWeights:
         """Set the masters from full-precision saved weights (names as in ``module``), then the
         bf16 parameters from the masters. Never swaps a parameter's ``.data`` for another
         dtype: that would detach DDP's gradient hooks from the parameter."""
-        masters = {p.data_ptr(): m for p, m in self._cast}
+        masters = self._masters_by_storage()
         for k, v in module.state_dict().items():
             if v.data_ptr() in masters and v.numel() and k in saved:
                 masters[v.data_ptr()].copy_(saved[k])
         self.copy_to_model()
+
+    def _masters_by_storage(self) -> dict:
+        # state_dict() values are fresh tensor objects: match them to parameters by data pointer
+        # (tied parameters share one, so both names get the one master)
+        return {p.data_ptr(): m for p, m in self._cast}

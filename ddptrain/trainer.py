@@ -361,9 +361,10 @@ class Trainer:
         if path is None:
             return  # resume: auto on a fresh run folder starts from scratch
         state = ckpt.load_checkpoint(path, self.info.world_size, self.info.rank)
-        ckpt.load_weights(self.module, path, strict=True)
-        if self.master:  # the file holds the fp32 masters: read them again at full precision
-            self.master.load_state_dict(ckpt.read_weights(path), self.module)
+        source, saved = ckpt.read_weights(path)
+        ckpt.apply_weights(self.module, source, saved, strict=True)
+        if self.master:  # the file holds the fp32 masters: restore them at full precision
+            self.master.load_state_dict(saved, self.module)
         tr = state["trainer"]
         if is_zero(self.optimizer):
             if state["optimizer_shard"] is None:

@@ -61,15 +61,20 @@ def test_masters_take_updates_below_bf16_resolution(tmp_path):
     assert torch.equal((w0.to(torch.bfloat16) - lr * torch.sign(C).to(torch.bfloat16)), w0.to(torch.bfloat16))
 
 
+def _train_4_steps(out, resume, model_cls, loss_fn, make_data, lr):
+    """4 steps with bf16 masters and a checkpoint every 2; ``resume``: "none" or a checkpoint."""
+    torch.manual_seed(0)
+    model = model_cls()
+    cfg = make_cfg(out, "trainer.max_steps=4", f"optim.lr={lr}", "checkpoint.every_steps=2",
+                   "checkpoint.keep_last=0", f"checkpoint.resume={resume}", *BF16)
+    trainer = ddptrain.Trainer(model, loss_fn, cfg, make_data())
+    trainer.fit()
+    return trainer
+
+
 def test_checkpoint_holds_fp32_masters_and_resume_restores_them(tmp_path):
     def run(out, resume):
-        torch.manual_seed(0)
-        model = Weights()
-        cfg = make_cfg(out, "trainer.max_steps=4", "optim.lr=1e-3", "checkpoint.every_steps=2",
-                       "checkpoint.keep_last=0", f"checkpoint.resume={resume}", *BF16)
-        trainer = ddptrain.Trainer(model, const_grad_loss, cfg, [{"x": torch.randn(4, 8)}] * 4)
-        trainer.fit()
-        return trainer
+        return _train_4_steps(out, resume, Weights, const_grad_loss, lambda: [{"x": torch.randn(4, 8)}] * 4, 1e-3)
 
     full = run(tmp_path / "full", "none")
     master = full.master.to_master[full.module.w].detach()
@@ -108,16 +113,12 @@ def tied_loss(model, batch):
 
 
 def test_tied_weights_have_one_master_and_save_and_resume(tmp_path):
-    def run(out, resume):
-        torch.manual_seed(0)
-        model = Tied()
-        cfg = make_cfg(out, "trainer.max_steps=4", "optim.lr=1e-2", "checkpoint.every_steps=2",
-                       "checkpoint.keep_last=0", f"checkpoint.resume={resume}", *BF16)
+    def data():
         gen = torch.Generator().manual_seed(1)
-        data = [{"tok": torch.randint(0, 11, (3, 5), generator=gen)} for _ in range(4)]
-        trainer = ddptrain.Trainer(model, tied_loss, cfg, data)
-        trainer.fit()
-        return trainer
+        return [{"tok": torch.randint(0, 11, (3, 5), generator=gen)} for _ in range(4)]
+
+    def run(out, resume):
+        return _train_4_steps(out, resume, Tied, tied_loss, data, 1e-2)
 
     full = run(tmp_path / "full", "none")
     model = full.module
