@@ -32,7 +32,9 @@ Other experiment keys: ``replay: K`` times every peer on a second pass over the 
 (steady state: cuDNN plans for every shape already built, see ``ReplayLoader``); ``deferred: 1``
 uses the ``DeferredSyncTrainer`` prototype; ``sdpa: no_cudnn`` turns cuDNN attention off;
 ``workers``, ``budget`` (wav2vec2 padded seconds per batch), ``batch``, ``hf_group``, ``ov``
-(ddptrain config overrides). ``bench/gpu_session.py`` holds the plans that produced
+(ddptrain config overrides); ``nocomm: 1`` (diagnostic, ddptrain on >1 GPU) gives DDP a comm hook
+that skips the all-reduce, so the step keeps DDP's bucketing and graph splits but not NCCL —
+the ranks then train apart, only the time counts. ``bench/gpu_session.py`` holds the plans that produced
 BENCHMARKS.md; results of 2026-11-29 are in ``bench/results/``.
 """
 
@@ -250,7 +252,9 @@ def make_loader(workload: str, preset: str, exp: dict, model, flops: Flops, rank
         durs = fhm.synthetic_durations(h, data_cfg.seed)
         sampler = DurationBucketSampler(durs, max_duration=data_cfg.max_duration, num_buckets=data_cfg.num_buckets,
                                         sort_pool=data_cfg.bucket_sort_pool, seed=data_cfg.seed, world_size=ws, rank=rank)
-        return torch.utils.data.DataLoader(SyntheticFbank(durs), batch_sampler=sampler,
+        # targets must be below the model's vocabulary: CPU ctc_loss does not check, and an
+        # out-of-range target writes outside its buffers (the tiny preset's heap corruption)
+        return torch.utils.data.DataLoader(SyntheticFbank(durs, vocab=model.cfg.vocab_size), batch_sampler=sampler,
                                            collate_fn=wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1)),
                                            num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available(),
                                            prefetch_factor=data_cfg.prefetch_factor if data_cfg.num_workers else None)
@@ -582,6 +586,9 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     mem_reset()
     cls = DeferredSyncTrainer if exp.get("deferred") else ddptrain.Trainer
     trainer = cls(model, timed, cfg, loader)
+    if exp.get("nocomm") and ws > 1:
+        ddp = getattr(trainer.model, "_orig_mod", trainer.model)  # under a whole-model compile
+        ddp.register_comm_hook(state=None, hook=_no_allreduce)
     mem_init = mem_now()
     trainer.fit()
     sync()
@@ -613,6 +620,13 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
                     {"peak_alloc_gb": peak["peak_alloc_gb"], "peak_reserved_gb": peak["peak_reserved_gb"]}, extra)
     del trainer, model, loader, timed
     return rec
+
+
+def _no_allreduce(state, bucket):
+    """DDP comm hook for the ``nocomm`` diagnostic: the bucket's local gradients, unreduced."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def run_bare(workload, preset, exp, W, N, tmp) -> dict:
@@ -826,6 +840,7 @@ def main(argv=None) -> None:
             if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
                 rec["oom"] = True
         gc.collect()
+        torch._dynamo.reset()  # every experiment compiles from scratch, no recompile limit carried over
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if rank == 0:

@@ -234,10 +234,10 @@ PLANS = {
             ], 185, 8, 6, {"replay": 6}),
         ],
     ],
-    # next session (prepared, not yet run): the 2-GPU scaling gap (fewer NCCL channels leave SMs
-    # to the GEMMs?), the Conformer-CTC workload with bf16 masters + compile on CUDA, and a
-    # 1-GPU baseline in the same call
-    "next": [
+    # call 8 (session 3): where the 2-GPU overhead of compiled Whisper goes: DDP graph splits
+    # without communication (nocomm), one graph with the all-reduce after the backward
+    # (compile.ddp_overlap=false), fewer NCCL channels; the Conformer workload on CUDA
+    "call8": [
         [
             ("wh1", "0", "whisper", [
                 E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
@@ -248,17 +248,21 @@ PLANS = {
             ], 120, 9, 8, {"replay": 8}),
         ],
         [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_noovl", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "compile.ddp_overlap=false"]),
+                E("whole_b24_p16_nocomm", "ddptrain", batch=24, nocomm=1, ov=P + ["compile.enabled=true"]),
+            ], 230, 7, 6, {"replay": 6}),
+        ],
+        [
             ("wh2_nch8", "0,1", "whisper", [
                 E("whole_b24_p16_nch8", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
             ], 100, 7, 6, {"replay": 6}, {"NCCL_MAX_NCHANNELS": "8"}),
-            ("wh2", "0,1", "whisper", [
-                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
-            ], 100, 7, 6, {"replay": 6}),
         ],
         [
             ("cf2", "0,1", "conformer", [
                 E("p16_comp", "ddptrain", budget=600, ov=P + ["compile.enabled=true", "compile.module_classes=[ConformerLayer]"]),
-            ], 100, 9, 8, {"replay": 8}),
+            ], 90, 9, 8, {"replay": 8}),
         ],
     ],
 }
@@ -282,6 +286,9 @@ def job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port):
         exps = [dict(e, workers=1, profile_steps=1, **small) for e in exps]
         exps = [dict(e, replay=2) if e.get("replay") else e for e in exps]
         exps = [dict(e, ov=e.get("ov", []) + ["optim.fused=true"]) if e.get("deferred") else e for e in exps]
+        # inductor's CPU (C++) code generation fails on some bf16 graphs here: trace only
+        exps = [dict(e, ov=e["ov"] + ["compile.backend=aot_eager"]) if "compile.enabled=true" in e.get("ov", [])
+                else e for e in exps]
     with open(exps_file, "w") as f:
         json.dump(exps, f)
     py = sys.executable

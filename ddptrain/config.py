@@ -120,6 +120,7 @@ class CompileConfig:
     mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs
     dynamic: str = "auto"  # auto (static shapes, dynamic after the first shape change) | true | false
     backend: str = "inductor"  # torch.compile backend (aot_eager: trace without code generation, for debugging)
+    ddp_overlap: bool = True  # whole model on >1 GPU: split the graph at DDP buckets so the all-reduce overlaps the backward; false: one graph, all-reduce after it
 
 
 @dataclass

@@ -95,6 +95,8 @@ class Trainer:
         self.model = self._wrap_ddp(model) if self.info.distributed else model
         if config.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
+            # the backward, unless compile.ddp_overlap is off (see ddptrain/compile.py)
+            torch._dynamo.config.optimize_ddp = bool(config.compile.ddp_overlap)
             self.model = torch.compile(self.model, **compile_options(config.compile))
             if self.recomputed:
                 warnings.warn(f"compile.enabled with recompute: the {len(self.recomputed)} checkpointed modules "
