@@ -244,8 +244,9 @@ PLANS = {
             ], 120, 7, 6, {"replay": 6}),
             ("cf1", "1", "conformer", [
                 E("eager", "ddptrain", budget=600),
+                E("p16", "ddptrain", budget=600, ov=P),
                 E("p16_comp", "ddptrain", budget=600, ov=P + ["compile.enabled=true", "compile.module_classes=[ConformerLayer]"]),
-            ], 120, 9, 8, {"replay": 8}),
+            ], 240, 9, 8, {"replay": 8}),
         ],
         [
             ("wh2", "0,1", "whisper", [
@@ -261,7 +262,8 @@ PLANS = {
         ],
         [
             ("cf2", "0,1", "conformer", [
-                E("p16_comp", "ddptrain", budget=600, ov=P + ["compile.enabled=true", "compile.module_classes=[ConformerLayer]"]),
+                E("eager", "ddptrain", budget=600),
+                E("p16", "ddptrain", budget=600, ov=P),
             ], 90, 9, 8, {"replay": 8}),
         ],
     ],
@@ -352,7 +354,10 @@ def run_stage(stage, out_dir, dry, t_start, budget_s):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
             if p.poll() is not None:
-                rest = p.stdout.read() or ""
+                try:
+                    rest = p.stdout.read() or ""
+                except (TypeError, OSError):  # a killed job's pipe can end mid-character
+                    rest = ""
                 logf.write(rest)
                 logf.close()
                 print(f"[{time.time() - t_start:6.1f}s] end {label} rc={p.returncode}", flush=True)
