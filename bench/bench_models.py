@@ -34,7 +34,8 @@ uses the ``DeferredSyncTrainer`` prototype; ``sdpa: no_cudnn`` turns cuDNN atten
 ``workers``, ``budget`` (wav2vec2 padded seconds per batch), ``batch``, ``hf_group``, ``ov``
 (ddptrain config overrides); ``nocomm: 1`` (diagnostic, ddptrain on >1 GPU) gives DDP a comm hook
 that skips the all-reduce, so the step keeps DDP's bucketing and graph splits but not NCCL —
-the ranks then train apart, only the time counts. ``bench/gpu_session.py`` holds the plans that produced
+the ranks then train apart, only the time counts; ``same_data: 1`` (diagnostic) gives every
+rank rank 0's batches, which takes the cost imbalance between ranks' batches out of the step. ``bench/gpu_session.py`` holds the plans that produced
 BENCHMARKS.md; results of 2026-11-29 are in ``bench/results/``.
 """
 
@@ -501,12 +502,13 @@ def profile_steps(step_fn, batches: list) -> dict:
             step_fn(b)
         sync()
         wall = time.perf_counter() - t0
-    ivals, cats, names, runtime = [], {}, {}, {}
+    ivals, cats, names, runtime, kname = [], {}, {}, {}, []
     for e in prof.profiler.kineto_results.events():
         dur = e.duration_ns()
         if e.device_type() == DeviceType.CUDA:
             s = e.start_ns()
             ivals.append((s, s + dur))
+            kname.append(e.name()[:80])
             c = categorize(e.name())
             cats[c] = cats.get(c, 0) + dur
             k = e.name()[:120]
@@ -519,21 +521,26 @@ def profile_steps(step_fn, batches: list) -> dict:
                 runtime[k] = (t + dur, n + 1)
     if not ivals:
         return {"wall_ms": wall * 1e3, "note": "no CUDA events"}
-    ivals.sort()
-    busy, cur_s, cur_e = 0, ivals[0][0], ivals[0][1]
-    busy_compute = 0
-    for s, e in ivals[1:]:
+    order = sorted(range(len(ivals)), key=lambda i: ivals[i])
+    busy, (cur_s, cur_e), last = 0, ivals[order[0]], order[0]
+    gaps = []  # (idle ns, kernel before, kernel after): where the GPU waits for the host
+    for i in order[1:]:
+        s, e = ivals[i]
         if s > cur_e:
             busy += cur_e - cur_s
+            gaps.append((s - cur_e, kname[last], kname[i]))
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
+        if e >= cur_e:
+            last = i
     busy += cur_e - cur_s
+    ivals = [ivals[i] for i in order]
     span = ivals[-1][1] - ivals[0][0]
     total = sum(cats.values())
     n = len(batches)
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:15]
-    _ = busy_compute
+    gaps.sort(key=lambda g: -g[0])
     return {
         "steps": n, "wall_ms_per_step": wall * 1e3 / n, "gpu_span_ms_per_step": span / 1e6 / n,
         "gpu_busy_ms_per_step": busy / 1e6 / n, "gpu_idle_frac_of_wall": 1 - busy / 1e9 / wall,
@@ -542,6 +549,8 @@ def profile_steps(step_fn, batches: list) -> dict:
         "kernel_share_by_category": {k: round(v / total, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": k, "ms_per_step": round(t / 1e6 / n, 3), "calls_per_step": c / n} for k, (t, c) in top],
         "runtime_calls_per_step": {k: {"calls": c / n, "ms": round(t / 1e6 / n, 3)} for k, (t, c) in runtime.items()},
+        "idle_gaps_over_1ms_ms_per_step": round(sum(g[0] for g in gaps if g[0] > 1e6) / 1e6 / n, 2),
+        "largest_idle_gaps": [{"ms": round(g / 1e6, 2), "after": a, "before": b} for g, a, b in gaps[:12]],
     }
 
 
@@ -580,7 +589,10 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     cfg = ddptrain.load_config(None, ov, schema=fhm.FinetuneConfig)
     info = ddptrain.setup_distributed(cfg)
     model, loss_fn, flops = build(workload, preset, exp, info.device)
-    raw = make_loader(workload, preset, exp, model, flops, info.rank, info.world_size, cfg.data)
+    # same_data (diagnostic): every rank trains on rank 0's batches, so no rank waits for a
+    # slower one at the step's all-reduce because its batch happened to be costlier
+    raw = make_loader(workload, preset, exp, model, flops, 0 if exp.get("same_data") else info.rank,
+                      info.world_size, cfg.data)
     loader = ReplayLoader(raw, exp["replay"]) if exp.get("replay") else TimedLoader(raw)
     timed = TimedLoss(loss_fn)
     mem_reset()
@@ -853,7 +865,7 @@ def main(argv=None) -> None:
                 pr = rec["profile"]
                 print("PROFILE", exp["name"], json.dumps({k: pr.get(k) for k in (
                     "wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_idle_frac_of_wall",
-                    "kernel_ms_per_step_by_category", "runtime_calls_per_step")}), flush=True)
+                    "kernel_ms_per_step_by_category", "runtime_calls_per_step", "idle_gaps_over_1ms_ms_per_step", "largest_idle_gaps")}), flush=True)
             if "syncs" in rec:
                 print("SYNCS", exp["name"], json.dumps(rec["syncs"][:12]), flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -267,6 +267,31 @@ PLANS = {
             ], 90, 9, 8, {"replay": 8}),
         ],
     ],
+    # call 9 (session 3): is the 2-GPU overhead the cost imbalance between the ranks' batches
+    # (same_data: every rank gets rank 0's batches)? Where does the GPU idle (profile gaps)?
+    # wav2vec2 1 vs 2 GPUs in the same call
+    "call9": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
+            ], 130, 7, 6, {"replay": 6}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+            ], 130, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16_same", "ddptrain", batch=24, same_data=1, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
+            ], 170, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+                E("comp_500_p16_same", "ddptrain", budget=500, same_data=1, ov=P + VC),
+            ], 150, 9, 8, {"replay": 8}),
+        ],
+    ],
 }
 
 
