@@ -292,6 +292,32 @@ PLANS = {
             ], 150, 9, 8, {"replay": 8}),
         ],
     ],
+    # call 10 (session 3): data.sync_buckets (now the default; Whisper bucketed by transcript
+    # length) against unsynchronised batches, 1 vs 2 GPUs, and the HF Trainer in the same call
+    "call10": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+            ], 120, 7, 6, {"replay": 6}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+            ], 120, 9, 8, {"replay": 8}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("hf_b8", "hf", batch=8),
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_nosync", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "data.sync_buckets=false"]),
+            ], 200, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("hf_gbl_b48", "hf", batch=48, hf_group=1),
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+                E("comp_500_p16_nosync", "ddptrain", budget=500, ov=P + VC + ["data.sync_buckets=false"]),
+            ], 190, 9, 8, {"replay": 8}),
+        ],
+    ],
 }
 
 

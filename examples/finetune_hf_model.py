@@ -24,8 +24,10 @@ model is random-initialised from a size preset (what the GPU benchmarks do).
         data.train_manifest=train.jsonl data.features=raw data.max_duration=300
 
 Batches: wav2vec2 batches are cut by ddptrain's ``DurationBucketSampler`` (``data.max_duration``
-seconds of *padded* audio per batch and rank), Whisper batches are ``hf.batch_size`` fixed 30 s
-windows (every input has the same length, so there is nothing to bucket).
+seconds of *padded* audio per batch and rank). Whisper batches are ``hf.batch_size`` 30 s
+windows; every encoder input has the same length, so the same sampler buckets them by transcript
+length instead (the decoder's padded length). In both, ``data.sync_buckets`` (default on) gives
+the ranks of one step batches from the same bucket, so no rank waits for a costlier batch.
 
 Speed (measured on H200, see BENCHMARKS.md "GPU: training throughput"): bf16 with
 ``trainer.param_dtype=bf16`` (no weight casts, bf16 gradients) and ``compile.enabled=true``:
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 import ddptrain
 from ddptrain.data import DurationBucketSampler, SpeechCollator
@@ -266,8 +268,8 @@ class SyntheticWindows(Dataset):
 def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, model_config=None,
                            collate_wrapper=None) -> DataLoader:
     """The training loader over a synthetic corpus: bucketed by duration (wav2vec2) or fixed-size
-    batches of 30 s windows (whisper). ``collate_wrapper(collate) -> collate`` lets a benchmark
-    add per-batch statistics."""
+    batches of 30 s windows bucketed by transcript length (whisper). ``collate_wrapper(collate)
+    -> collate`` lets a benchmark add per-batch statistics."""
     loader_kw = dict(num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory and torch.cuda.is_available(),
                      prefetch_factor=data_cfg.prefetch_factor if data_cfg.num_workers > 0 else None,
                      persistent_workers=data_cfg.persistent_workers and data_cfg.num_workers > 0)
@@ -277,18 +279,25 @@ def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, mo
         dataset = SyntheticAudio(durations, vocab, h.chars_per_second)
         sampler = DurationBucketSampler(durations, max_duration=data_cfg.max_duration,
                                         max_batch_size=data_cfg.max_batch_size, num_buckets=data_cfg.num_buckets,
-                                        sort_pool=data_cfg.bucket_sort_pool, seed=data_cfg.seed,
-                                        world_size=world_size, rank=rank)
+                                        sort_pool=data_cfg.bucket_sort_pool, sync_buckets=data_cfg.sync_buckets,
+                                        seed=data_cfg.seed, world_size=world_size, rank=rank)
         collate = SpeechCollator(mode="audio", pad_to_multiple=data_cfg.pad_to_multiple)
         collate = collate_wrapper(collate) if collate_wrapper else collate
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kw)
     mel = model_config.num_mel_bins if model_config is not None else 128
-    dataset = SyntheticWindows(synthetic_token_counts(h, data_cfg.seed), mel)
-    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=data_cfg.seed, drop_last=True)
+    counts = synthetic_token_counts(h, data_cfg.seed)
+    dataset = SyntheticWindows(counts, mel)
+    # The sampler's "durations" are transcript lengths here (what differs between windows), and
+    # its budget is batch_size x the longest transcript: every batch holds hf.batch_size windows
+    # (the last one of a bucket fewer), of similar decoder length.
+    lengths = counts.astype(np.float64) + len(SyntheticWindows.PREFIX) + 1
+    sampler = DurationBucketSampler(lengths, max_duration=h.batch_size * lengths.max(), max_batch_size=h.batch_size,
+                                    num_buckets=data_cfg.num_buckets, sort_pool=data_cfg.bucket_sort_pool,
+                                    sync_buckets=data_cfg.sync_buckets, seed=data_cfg.seed,
+                                    world_size=world_size, rank=rank)
     collate = SpeechCollator(mode="features", num_mel_bins=mel, pad_to_multiple=1, token_pad_id=50257)
     collate = collate_wrapper(collate) if collate_wrapper else collate
-    return DataLoader(dataset, batch_size=h.batch_size, sampler=sampler, drop_last=True, collate_fn=collate,
-                      **loader_kw)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kw)
 
 
 # ---------------------------------------------------------------------------------- main

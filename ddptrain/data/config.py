@@ -38,6 +38,7 @@ class DataConfig:
     quadratic_duration: float = 0.0  # >0: cost = d + d^2/q, so long utterances get smaller batches
     num_buckets: int = 30  # duration buckets (equal total duration per bucket)
     bucket_sort_pool: int = 8  # sort shuffled utterances in pools of this many batches (less padding); 0 = off
+    sync_buckets: bool = True  # the ranks' batches of one step come from one bucket (equal cost: no rank waits)
     shuffle: bool = True  # shuffle within buckets and across batches (seed + epoch)
     tail: str = "split"  # split | duplicate | drop: equal batch counts on all ranks (sampler.py; eval: exact)
     seed: int = 0  # sampler seed (same on every rank)

@@ -104,6 +104,7 @@ def build_dataloader(
         quadratic_duration=cfg.quadratic_duration,
         num_buckets=cfg.num_buckets,
         sort_pool=cfg.bucket_sort_pool,
+        sync_buckets=cfg.sync_buckets,
         shuffle=cfg.shuffle and train,
         tail=cfg.tail if train else "exact",
         seed=cfg.seed if seed is None else seed,
