@@ -35,7 +35,8 @@ uses the ``DeferredSyncTrainer`` prototype; ``sdpa: no_cudnn`` turns cuDNN atten
 (ddptrain config overrides); ``nocomm: 1`` (diagnostic, ddptrain on >1 GPU) gives DDP a comm hook
 that skips the all-reduce, so the step keeps DDP's bucketing and graph splits but not NCCL —
 the ranks then train apart, only the time counts; ``same_data: 1`` (diagnostic) gives every
-rank rank 0's batches, which takes the cost imbalance between ranks' batches out of the step. ``bench/gpu_session.py`` holds the plans that produced
+rank rank 0's batches, which takes the cost imbalance between ranks' batches out of the step;
+``as_world: N`` on one GPU trains on the batches of an N-GPU run (``Interleave``). ``bench/gpu_session.py`` holds the plans that produced
 BENCHMARKS.md; results of 2026-11-29 are in ``bench/results/``.
 """
 
@@ -242,7 +243,27 @@ class SyntheticFbank(torch.utils.data.Dataset):
                 "tokens": torch.randint(1, self.vocab, (max(1, int(d * self.cps)),), generator=g)}
 
 
+class Interleave:
+    """The batches ``N`` ranks would get, in step order (rank 0 step 0, rank 1 step 0, rank 0
+    step 1, ...): a 1-GPU run over it does exactly the work of the ``N``-GPU run, which is what
+    a scaling efficiency needs (the ``N``-GPU plan has other batches than the 1-GPU plan)."""
+
+    def __init__(self, loaders):
+        self.loaders, self.dataset = loaders, loaders[0].dataset
+
+    def __len__(self):
+        return sum(len(x) for x in self.loaders)
+
+    def __iter__(self):
+        for step in zip(*self.loaders):
+            yield from step
+
+
 def make_loader(workload: str, preset: str, exp: dict, model, flops: Flops, rank: int, ws: int, data_cfg=None):
+    if exp.get("as_world", 1) > 1 and ws == 1:  # see Interleave
+        n = exp["as_world"]
+        one = dict(exp, as_world=1)
+        return Interleave([make_loader(workload, preset, one, model, flops, r, n, data_cfg) for r in range(n)])
     data_cfg = data_cfg or ddptrain.load_config(None, [f"data.max_duration={exp.get('budget', 400)}",
                                                        f"data.num_workers={exp.get('workers', 4)}"]).data
     wrap = lambda c: StatsCollate(c, workload, flops)  # noqa: E731

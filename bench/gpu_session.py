@@ -318,6 +318,28 @@ PLANS = {
             ], 190, 9, 8, {"replay": 8}),
         ],
     ],
+    # call 11 (session 3): scaling on identical work: one GPU trains on exactly the batches
+    # the 2-GPU run gets (as_world=2: both ranks' batches, in step order)
+    "call11": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, ov=P + ["compile.enabled=true"]),
+            ], 130, 13, 12, {"replay": 12}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, ov=P + VC),
+            ], 130, 17, 16, {"replay": 16}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+            ], 90, 7, 6, {"replay": 6}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+            ], 80, 9, 8, {"replay": 8}),
+        ],
+    ],
 }
 
 
