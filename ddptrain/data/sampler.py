@@ -26,7 +26,8 @@ How a plan is made (all of it a pure function of ``(seed, epoch, durations, sett
    change every epoch), cut into batches, and shuffle the batch order across all buckets.
    With ``sync_buckets`` (default) and ``W = world_size > 1``, what is shuffled is runs of ``W``
    neighbouring batches of one bucket, so the ``W`` batches of a step are near-equal in length
-   (the few batches left over per bucket are pooled in duration order and grouped the same way).
+   (each bucket's short last batch and the batches that fill no run are pooled, ordered by
+   padded cost, and grouped the same way).
 3. Distributed split: the epoch's global batch list is made a multiple of ``world_size`` by the
    tail policy, and rank ``r`` takes batches ``r, r + W, r + 2W, ...``. Step ``s`` of every
    rank therefore covers global batches ``[s*W, (s+1)*W)``: ranks are disjoint by construction
@@ -35,10 +36,12 @@ How a plan is made (all of it a pure function of ``(seed, epoch, durations, sett
 Why ``sync_buckets``: every step ends in an all-reduce, so a step lasts as long as the costliest
 of its ``W`` batches. Equal padded seconds are not equal cost (attention grows with length
 squared, batch sizes round down, a Whisper window's decoder length varies), and batches drawn
-from random buckets cost different amounts. Measured on 2 H200s (BENCHMARKS.md): Whisper-large-v3
-scaled 92.5% with random batches per rank and 98.1% with equal ones; wav2vec2-large 93.3% vs
-95.9%. Lhotse's ``DynamicBucketingSampler(sync_buckets=True)`` does the same for the same reason.
-With ``W = 1`` the plan is exactly the unsynchronised one.
+from random buckets cost different amounts. ``bench/bench_balance.py`` computes the share of a
+step the ranks spend waiting from the plan's FLOPs: on the benchmark's wav2vec2 corpus with 2
+ranks, 5.0% unsynchronised vs 0.8% synchronised (8 ranks: 10.2% vs 4.6%). On 2 H200s
+(BENCHMARKS.md), every rank training on the same batches took the 2-GPU Whisper step from 570 to
+546 ms. Lhotse's ``DynamicBucketingSampler(sync_buckets=True)`` does the same for the same
+reason. With ``W = 1`` the plan is exactly the unsynchronised one.
 
 Tail policies (``tail``), i.e. what happens when the number of batches ``n`` is not a multiple
 of ``world_size`` ``W``:
@@ -237,10 +240,14 @@ class DurationBucketSampler(Sampler):
             batches = [b for bucket in per_bucket for b in bucket]
             return [batches[i] for i in rng.permutation(len(batches))] if self.shuffle else batches
         runs, leftover = [], []
-        for bucket in per_bucket:  # buckets ascend in duration, so the leftovers do too
-            full = len(bucket) - len(bucket) % group
+        for bucket, bs in zip(per_bucket, self._bucket_batch_size):
+            # a bucket's last batch is usually short: it goes with the other left-over batches
+            n = len(bucket) - (bucket[-1].size < bs)
+            full = n - n % group
             runs += [bucket[i:i + group] for i in range(0, full, group)]
             leftover += bucket[full:]
+        # the left-over batches, ordered by padded cost, make runs of near-equal cost too
+        leftover.sort(key=lambda b: (b.size * float(self._cost(self.durations[b].max())), b[0]))
         full = len(leftover) - len(leftover) % group
         runs += [leftover[i:i + group] for i in range(0, full, group)]
         return [b for i in rng.permutation(len(runs)) for b in runs[i]] + leftover[full:]
