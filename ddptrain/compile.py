@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ddptrain.config import ConfigError
 from ddptrain.recompute import _RecomputeForward, match_modules
 
 if TYPE_CHECKING:
@@ -43,6 +44,26 @@ def compile_options(cfg: "CompileConfig") -> dict[str, Any]:
     if cfg.backend != "inductor":  # modes are inductor options
         return {"backend": cfg.backend, "dynamic": dynamic}
     return {"mode": cfg.mode, "dynamic": dynamic}
+
+
+def compile_whole(model: nn.Module, cfg: "CompileConfig", ddp_bucket_cap_mb: Optional[float]) -> nn.Module:
+    """``torch.compile`` the whole model, after DDP wrapped it (``ddp_bucket_cap_mb``: its bucket
+    size; ``None`` without DDP).
+
+    With DDP, ``compile.ddp_overlap`` picks dynamo's DDPOptimizer (the graph is split at the
+    bucket boundaries, so each bucket's all-reduce starts while the backward goes on) or one
+    graph whose gradients, hence all-reduces, all come at the end of the backward. Measured on
+    2 H200s (BENCHMARKS.md, third pass) the two were equally fast for Whisper-large-v3 (575 vs
+    578 ms a step); the overlap stays the default for slower links. DDPOptimizer needs buckets of
+    at least DDP's 1 MB first bucket; that is checked here, so the error names the config keys
+    instead of an assertion inside dynamo at the first step.
+    """
+    if ddp_bucket_cap_mb is not None and cfg.ddp_overlap and ddp_bucket_cap_mb < 1:
+        raise ConfigError(f"dist.bucket_cap_mb={ddp_bucket_cap_mb} with a whole-model compile and "
+                          "compile.ddp_overlap=true: dynamo splits the graph at DDP's buckets and needs "
+                          "them to be at least 1 MB; raise it or set compile.ddp_overlap=false")
+    torch._dynamo.config.optimize_ddp = bool(cfg.ddp_overlap)  # read when the first step compiles
+    return torch.compile(model, **compile_options(cfg))
 
 
 def is_regional(cfg: "CompileConfig") -> bool:

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import dist
-from ddptrain.compile import apply_compile, compile_options
+from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, to_yaml
 from ddptrain.logging import RunLogger
 from ddptrain.optim import build_optimizer, build_scheduler, is_zero
@@ -95,9 +95,8 @@ class Trainer:
         self.model = self._wrap_ddp(model) if self.info.distributed else model
         if config.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
-            # the backward, unless compile.ddp_overlap is off (see ddptrain/compile.py)
-            torch._dynamo.config.optimize_ddp = bool(config.compile.ddp_overlap)
-            self.model = torch.compile(self.model, **compile_options(config.compile))
+            self.model = compile_whole(self.model, config.compile,
+                                       config.dist.bucket_cap_mb if self.info.distributed else None)
             if self.recomputed:
                 warnings.warn(f"compile.enabled with recompute: the {len(self.recomputed)} checkpointed modules "
                               "run eagerly inside the compiled model; list their classes in "

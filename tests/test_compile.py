@@ -18,8 +18,8 @@ from torch import nn
 
 import ddptrain
 
-from ddptrain.compile import apply_compile
-from ddptrain.config import CompileConfig, RecomputeConfig
+from ddptrain.compile import apply_compile, compile_whole
+from ddptrain.config import CompileConfig, ConfigError, RecomputeConfig
 from ddptrain.recompute import apply_recompute
 from _dist import run_ranks
 from test_recompute import TinyTransformer, _grads
@@ -110,23 +110,47 @@ def test_disabled_or_whole_model_config_leaves_the_model_alone():
     assert "forward" not in model.layers[0].__dict__
 
 
-def _trainer_worker(rank, world, out, steps):
+def test_whole_model_compile_with_ddp_needs_buckets_of_at_least_1_mb():
+    model = FrameMLP()
+    with pytest.raises(ConfigError, match=r"dist.bucket_cap_mb=0.5 .*compile.ddp_overlap=false"):
+        compile_whole(model, _cfg(), ddp_bucket_cap_mb=0.5)
+    compile_whole(model, _cfg(ddp_overlap=False), ddp_bucket_cap_mb=0.5)
+    assert torch._dynamo.config.optimize_ddp is False
+    compile_whole(model, _cfg(), ddp_bucket_cap_mb=None)  # no DDP: nothing to split
+    assert torch._dynamo.config.optimize_ddp is True
+
+
+# Trainer on 2 gloo ranks vs eager on 1: regional compile inside recompute regions, and the whole
+# model compiled after DDP, its graph split at DDP's buckets (dynamo's DDPOptimizer; one bucket
+# for this small model) or one graph with the all-reduce after the backward
+TRAINER_CASES = {
+    "regional_recompute": (["compile.module_classes=[Sequential]", "recompute.enabled=true",
+                            "recompute.module_classes=[Sequential]"], ["net"]),
+    "whole_split_at_buckets": (["compile.ddp_overlap=true"], []),
+    "whole_one_graph": (["compile.ddp_overlap=false"], []),
+}
+
+
+def _trainer_worker(rank, world, out, steps, case):
+    overrides, compiled = TRAINER_CASES[case]
     torch.manual_seed(0)
     model = FrameMLP()
     cfg = make_cfg(os.path.join(out, "compiled"), f"trainer.max_steps={steps}", "checkpoint.save_at_end=false",
-                   "compile.enabled=true", "compile.backend=aot_eager", "compile.module_classes=[Sequential]",
-                   "recompute.enabled=true", "recompute.module_classes=[Sequential]")
+                   "compile.enabled=true", "compile.backend=aot_eager", *overrides)
     trainer = ddptrain.Trainer(model, frame_loss, cfg, [mb[rank] for mb in micro_batches(steps)])
-    assert trainer.compiled == ["net"] and trainer.recomputed == ["net"]
+    assert trainer.compiled == compiled and trainer.recomputed == compiled
+    if not compiled:
+        assert torch._dynamo.config.optimize_ddp is cfg.compile.ddp_overlap
     trainer.fit()
     if rank == 0:
         torch.save(params_of(model), os.path.join(out, "compiled.pt"))
 
 
 @pytest.mark.timeout(180)
-def test_trainer_with_regional_compile_and_recompute_on_two_ranks_matches_eager(tmp_path):
+@pytest.mark.parametrize("case", sorted(TRAINER_CASES))
+def test_compiled_trainer_on_two_ranks_matches_eager(tmp_path, case):
     steps = 3
-    run_ranks(_trainer_worker, 2, str(tmp_path), steps)
+    run_ranks(_trainer_worker, 2, str(tmp_path), steps, case)
     torch.manual_seed(0)
     eager = FrameMLP()
     cfg = make_cfg(tmp_path / "eager", f"trainer.max_steps={steps}", "checkpoint.save_at_end=false")
