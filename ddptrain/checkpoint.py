@@ -15,6 +15,9 @@ rank's state through rank 0's GPU (a memory spike of the whole optimizer state, 
 Adam) and is slow on large models; per-rank files are written in parallel straight from CPU
 copies. The price: resuming a ZeRO run needs the same world size (checked up front).
 
+What a Trainer puts into one and takes back out is at the end of this file
+(``save_trainer_state`` / ``restore_trainer_state``), so the Trainer's loop stays short.
+
 Atomicity: every rank writes into ``.tmp-step_N``; the ranks agree (all-reduce) that every
 write succeeded; then rank 0 writes the marker, fsyncs and renames the folder to ``step_N``.
 A crash at any point leaves either the previous checkpoints untouched plus a stale ``.tmp-``
@@ -24,12 +27,13 @@ folder (ignored, removed next save), or a complete new checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
 import shutil
 import time
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
@@ -37,6 +41,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddptrain import dist
+from ddptrain.optim import is_zero
+
+if TYPE_CHECKING:
+    from ddptrain.trainer import Trainer
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -379,3 +387,81 @@ def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str) -> 
             shutil.rmtree(p, ignore_errors=True)
             deleted.append(p)
     return deleted
+
+
+# ------------------------------------------------------------------ a Trainer's state
+
+
+def save_trainer_state(trainer: "Trainer") -> str:
+    """Collective: write ``trainer``'s complete training state as its step's checkpoint.
+
+    What a bit-exact resume needs: the weights (the fp32 masters under ``trainer.param_dtype:
+    bf16``), the optimizer (under ZeRO each rank's own shard plus the param-group
+    hyperparameters), LR scheduler, precision (GradScaler) state, the loop's counters, and per
+    rank the RNG and sampler state. The DataLoader prefetches, so the sampler's own position runs
+    ahead of training: the saved position is what the loop consumed.
+
+    Returns:
+        The checkpoint's folder.
+    """
+    sampler = trainer._stateful_sampler()
+    sampler_state = None
+    if sampler is not None:
+        sampler_state = dict(sampler.state_dict(), position=trainer.batches_done, epoch=trainer.epoch)
+    opt = trainer.optimizer
+    zero = is_zero(opt)
+    trainer_state = {
+        "optimizer": None if zero else opt.state_dict(),
+        "zero_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if zero else None,
+        "scheduler": trainer.scheduler.state_dict(),
+        "precision": trainer.precision.state_dict(),
+        "counters": {"step": trainer.step, "epoch": trainer.epoch, "batches_done": trainer.batches_done,
+                     "unit_scale": trainer.unit_scale, "skipped_steps": trainer.skipped_steps},
+    }
+    rank_state = {"rng": rng_state(), "sampler": sampler_state}
+    metrics = trainer.last_eval if trainer.last_eval_step == trainer.step else {}
+    meta = {"epoch": trainer.epoch, "world_size": trainer.info.world_size, "zero": zero,
+            "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
+    weights = trainer.master.state_dict(trainer.module) if trainer.master else trainer.module
+    return save_checkpoint(trainer.ckpt_root, trainer.step, weights, trainer_state, rank_state,
+                           opt.optim.state_dict() if zero else None, meta, trainer.device)
+
+
+def restore_trainer_state(trainer: "Trainer", path: str) -> None:
+    """Load the checkpoint at ``path`` into ``trainer``: the inverse of :func:`save_trainer_state`.
+
+    The weights file is read once: its tensors fill the model and, under ``param_dtype: bf16``,
+    the fp32 masters at full precision. The RNG state is kept in ``trainer._resume_rng`` and set
+    when the first epoch iterator is made (see ``Trainer._epoch_iterator``).
+
+    Raises:
+        CheckpointError: unreadable or incomplete checkpoint, another world size under ZeRO, or a
+            ZeRO checkpoint resumed without ``optim.zero`` (or the reverse).
+    """
+    state = load_checkpoint(path, trainer.info.world_size, trainer.info.rank)
+    source, saved = read_weights(path)
+    apply_weights(trainer.module, source, saved, strict=True)
+    if trainer.master:
+        trainer.master.load_state_dict(saved, trainer.module)
+    tr = state["trainer"]
+    if is_zero(trainer.optimizer):
+        if state["optimizer_shard"] is None:
+            raise CheckpointError(f"{path} has no ZeRO optimizer shards; it was saved with optim.zero=false")
+        trainer.optimizer.optim.load_state_dict(state["optimizer_shard"])
+        for group, hparams in zip(trainer.optimizer.param_groups, tr["zero_param_groups"]):
+            group.update(hparams)
+    else:
+        if tr["optimizer"] is None:
+            raise CheckpointError(f"{path} holds ZeRO shards; set optim.zero=true to resume it")
+        trainer.optimizer.load_state_dict(tr["optimizer"])
+    trainer.scheduler.load_state_dict(tr["scheduler"])
+    trainer.precision.load_state_dict(tr["precision"])
+    c = tr["counters"]
+    trainer.step, trainer.epoch, trainer.batches_done = c["step"], c["epoch"], c["batches_done"]
+    trainer.unit_scale, trainer.skipped_steps = c["unit_scale"], c["skipped_steps"]
+    if trainer.batches_done >= trainer.batches_per_epoch:  # saved at an epoch's last batch
+        trainer.epoch, trainer.batches_done = trainer.epoch + 1, 0
+    sampler = trainer._stateful_sampler()
+    if sampler is not None and state["rank"]["sampler"] is not None:
+        sampler.load_state_dict(dict(state["rank"]["sampler"], epoch=trainer.epoch, position=trainer.batches_done))
+    trainer._resume_rng = state["rank"]["rng"]

@@ -15,10 +15,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ddptrain.config import DistConfig
 
 
 @dataclass
@@ -178,3 +181,19 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
                 c.copy_(flat[offset:offset + c.numel()].view_as(c))
                 offset += c.numel()
             chunk, size = [], 0
+
+
+def wrap_ddp(model: torch.nn.Module, cfg: "DistConfig", device: torch.device) -> torch.nn.Module:
+    """``DistributedDataParallel`` with the ``dist`` config section's bucket size, bucket view,
+    unused-parameter search, buffer broadcast and optional gradient-compression hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+              find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=cfg.broadcast_buffers)
+    if cfg.comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if cfg.comm_hook == "bf16" else default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(state=None, hook=hook)
+    return ddp

@@ -24,7 +24,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import dist
@@ -92,7 +91,7 @@ class Trainer:
                 dist.broadcast_module(model)  # the masters are made here: same start on every rank
             self.master = MasterWeights(model, torch.bfloat16)
         self.module = model
-        self.model = self._wrap_ddp(model) if self.info.distributed else model
+        self.model = dist.wrap_ddp(model, config.dist, self.device) if self.info.distributed else model
         if config.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
             self.model = compile_whole(self.model, config.compile,
@@ -321,32 +320,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpointing
 
     def save(self) -> str:
-        """Collective save of the complete training state (see :mod:`ddptrain.checkpoint`)."""
+        """Collective save of the complete training state (see :func:`ddptrain.checkpoint.save_trainer_state`)."""
         c = self.cfg.checkpoint
-        sampler = self._stateful_sampler()
-        sampler_state = None
-        if sampler is not None:
-            sampler_state = sampler.state_dict()
-            # the DataLoader prefetches, so the sampler's own counter runs ahead of the loop
-            sampler_state["position"] = self.batches_done
-            sampler_state["epoch"] = self.epoch
-        zero = is_zero(self.optimizer)
-        trainer_state = {
-            "optimizer": None if zero else self.optimizer.state_dict(),
-            "zero_param_groups": _param_group_hparams(self.optimizer) if zero else None,
-            "scheduler": self.scheduler.state_dict(),
-            "precision": self.precision.state_dict(),
-            "counters": {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done,
-                         "unit_scale": self.unit_scale, "skipped_steps": self.skipped_steps},
-        }
-        rank_state = {"rng": ckpt.rng_state(), "sampler": sampler_state}
-        shard = self.optimizer.optim.state_dict() if zero else None
-        metrics = self.last_eval if self.last_eval_step == self.step else {}
-        meta = {"epoch": self.epoch, "world_size": self.info.world_size, "zero": zero,
-                "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
-        weights = self.master.state_dict(self.module) if self.master else self.module  # fp32 masters
-        path = ckpt.save_checkpoint(self.ckpt_root, self.step, weights, trainer_state, rank_state,
-                                    shard, meta, self.device)
+        path = ckpt.save_trainer_state(self)
         self._last_saved_step = self.step
         if self.info.is_main:
             ckpt.prune(self.ckpt_root, c.keep_last, c.keep_best, c.best_metric, c.best_mode)
@@ -361,51 +337,11 @@ class Trainer:
         path = dist.broadcast_object(ckpt.find_latest(self.ckpt_root) if want == "auto" else want)
         if path is None:
             return  # resume: auto on a fresh run folder starts from scratch
-        state = ckpt.load_checkpoint(path, self.info.world_size, self.info.rank)
-        source, saved = ckpt.read_weights(path)
-        ckpt.apply_weights(self.module, source, saved, strict=True)
-        if self.master:  # the file holds the fp32 masters: restore them at full precision
-            self.master.load_state_dict(saved, self.module)
-        tr = state["trainer"]
-        if is_zero(self.optimizer):
-            if state["optimizer_shard"] is None:
-                raise ckpt.CheckpointError(f"{path} has no ZeRO optimizer shards; it was saved with optim.zero=false")
-            self.optimizer.optim.load_state_dict(state["optimizer_shard"])
-            for group, saved in zip(self.optimizer.param_groups, tr["zero_param_groups"]):
-                group.update(saved)
-        else:
-            if tr["optimizer"] is None:
-                raise ckpt.CheckpointError(f"{path} holds ZeRO shards; set optim.zero=true to resume it")
-            self.optimizer.load_state_dict(tr["optimizer"])
-        self.scheduler.load_state_dict(tr["scheduler"])
-        self.precision.load_state_dict(tr["precision"])
-        counters = tr["counters"]
-        self.step, self.epoch, self.batches_done = counters["step"], counters["epoch"], counters["batches_done"]
-        self.unit_scale, self.skipped_steps = counters["unit_scale"], counters["skipped_steps"]
-        if self.batches_done >= self.batches_per_epoch:
-            self.epoch, self.batches_done = self.epoch + 1, 0
-        sampler = self._stateful_sampler()
-        if sampler is not None and state["rank"]["sampler"] is not None:
-            saved = dict(state["rank"]["sampler"], epoch=self.epoch, position=self.batches_done)
-            sampler.load_state_dict(saved)
-        # restored when the first epoch iterator is made (see _epoch_iterator)
-        self._resume_rng = state["rank"]["rng"]
+        ckpt.restore_trainer_state(self, path)
         if self.info.is_main:
             print(f"resumed from {path} at step {self.step} (epoch {self.epoch}, batch {self.batches_done})")
 
     # ------------------------------------------------------------------ helpers
-
-    def _wrap_ddp(self, model: nn.Module) -> DDP:
-        d = self.cfg.dist
-        ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                  bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
-                  find_unused_parameters=d.find_unused_parameters, broadcast_buffers=d.broadcast_buffers)
-        if d.comm_hook != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = default_hooks.bf16_compress_hook if d.comm_hook == "bf16" else default_hooks.fp16_compress_hook
-            ddp.register_comm_hook(state=None, hook=hook)
-        return ddp
 
     def _stateful_sampler(self):
         bs = getattr(self.train_data, "batch_sampler", None)
@@ -517,6 +453,3 @@ def _batch_ids(batch: Any) -> str:
     shown = list(ids[:10])
     return f" [utterances: {', '.join(map(str, shown))}{' ...' if len(ids) > 10 else ''}]"
 
-
-def _param_group_hparams(optimizer) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
