@@ -340,6 +340,40 @@ PLANS = {
             ], 80, 9, 8, {"replay": 8}),
         ],
     ],
+    # call 12 (prepared for the next session, not yet run): scaling on identical work with longer
+    # replays (one GPU trains on the 2-GPU run's 24 batches), sync vs unsync buckets over 12
+    # steps, the Conformer compiled with dynamic shapes. Two device calls:
+    #   python3 bench/gpu_session.py call12 --stages 0,1 --out $OUT --budget 560 --no-calib
+    #   python3 bench/gpu_session.py call12 --stages 2,3 --out $OUT --budget 560 --no-calib
+    # Timeouts allow for a fresh machine (inductor compiles everything from scratch).
+    "call12": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, ov=P + ["compile.enabled=true"]),
+            ], 200, 25, 24, {"replay": 24}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, ov=P + VC),
+            ], 220, 25, 24, {"replay": 24}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_nosync", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "data.sync_buckets=false"]),
+            ], 300, 13, 12, {"replay": 12}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+                E("comp_500_p16_nosync", "ddptrain", budget=500, ov=P + VC + ["data.sync_buckets=false"]),
+            ], 300, 13, 12, {"replay": 12}),
+        ],
+        [
+            ("cf1", "0", "conformer", [
+                E("p16_comp_dyn", "ddptrain", budget=600, ov=P + ["compile.enabled=true", "compile.dynamic=true",
+                                                                  "compile.module_classes=[ConformerLayer]"]),
+            ], 200, 9, 8, {"replay": 8}),
+        ],
+    ],
 }
 
 

@@ -31,8 +31,9 @@ the ranks of one step batches from the same bucket, so no rank waits for a costl
 
 Speed (measured on H200, see BENCHMARKS.md "GPU: training throughput"): bf16 with
 ``trainer.param_dtype=bf16`` (no weight casts, bf16 gradients) and ``compile.enabled=true``:
-Whisper-large-v3 41 windows/s on one GPU at batch 16 (37% MFU), 45 at batch 24 (40%), 83-87 on
-two; wav2vec2-large 4,700 audio-s/s on two at ``data.max_duration=500`` (30 GB per GPU). The
+Whisper-large-v3 41 windows/s on one GPU at batch 16 (37% MFU), 45-48 at batch 24 (39-40%),
+83-87 on two; wav2vec2-large 4,700-5,050 audio-s/s on two at ``data.max_duration=500`` (30 GB
+per GPU; the HF Trainer: 3,500 at 64 GB). The
 whole-model compile fails in inductor on wav2vec2's SpecAugment (masked ``index_put``): compile
 its blocks (``compile.module_classes``) instead. Flash attention instead of cuDNN's was 11-13%
 slower. Keep shapes few (``data.pad_to_multiple`` for audio, ``hf.token_pad_multiple`` for
