@@ -261,9 +261,9 @@ class DurationBucketSampler(Sampler):
         group = (self._history[0][1] if self._history else self.world_size) if self.sync_buckets else 1
         batches = self._base_batches(self.epoch, group)
         done = 0
-        for _, old_world, old_pos in self._history:
+        for i, (_, old_world, old_pos) in enumerate(self._history):
             # what the old ranks had not reached yet, minus filler (copies/empties of the old tail)
-            adj, filler, _ = _fit_to_ranks(batches, old_world, self.tail, keep_runs=group > 1 and done == 0)
+            adj, filler, _ = _fit_to_ranks(batches, old_world, self.tail, keep_runs=group > 1 and i == 0)
             start = (old_pos - done) * old_world
             batches = [b for b, f in zip(adj[start:], filler[start:]) if not f]
             done = old_pos
