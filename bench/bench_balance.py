@@ -17,8 +17,11 @@ makes it larger. The models are built on the meta device (parameter counts only)
 
     python bench/bench_balance.py                    # table on stdout
     python bench/bench_balance.py --worlds 2,4,8 --epochs 3 --json out.json
+    # your own data: the sampler's own cost model (padded seconds, + d^2/q with --quadratic)
+    python bench/bench_balance.py --manifest train.jsonl --budget 200 --worlds 2,8
 
-Needs transformers for the wav2vec2 / Whisper rows (a benchmark dependency, as in bench_models).
+Needs transformers for the wav2vec2 / Whisper rows (a benchmark dependency, as in bench_models);
+the manifest mode needs only ddptrain.
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples"), os.path.join(HERE, "..")]
 
 import ddptrain  # noqa: E402
-import finetune_hf_model as fhm  # noqa: E402
-from bench_models import Flops, build, hf_cfg  # noqa: E402
 from ddptrain.data import DurationBucketSampler  # noqa: E402
 
 
-def batch_cost(workload: str, flops: Flops, lengths: np.ndarray, batch: np.ndarray) -> float:
-    """FLOPs of one padded batch; ``lengths`` are seconds (wav2vec2, conformer) or tokens (whisper)."""
+def batch_cost(workload: str, flops, lengths: np.ndarray, batch: np.ndarray) -> float:
+    """FLOPs of one padded batch; ``lengths`` are seconds (wav2vec2, conformer) or tokens
+    (whisper). Workload ``manifest``: ``flops`` is the sampler, and the cost its own
+    ``batch size x cost(longest)`` in padded seconds."""
     n, longest = len(batch), float(lengths[batch].max())
+    if workload == "manifest":
+        return n * float(flops._cost(longest))
     if workload == "wav2vec2":
         return flops.wav2vec2(n, int(round(longest * 16000)))
     if workload == "whisper":
@@ -90,6 +95,9 @@ def random_costs(workload, flops, lengths, batch, world, epochs, seed=0) -> tupl
 
 def workload_setup(workload: str, budget: float, batch: int):
     """(lengths, sampler kwargs, Flops) as the benchmark's loaders build them."""
+    import finetune_hf_model as fhm
+    from bench_models import build, hf_cfg
+
     data = ddptrain.load_config(None, []).data
     exp = {"batch": batch, "budget": budget}
     h = hf_cfg("wav2vec2" if workload == "conformer" else workload, "large", exp)
@@ -108,14 +116,25 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--workloads", default="wav2vec2,whisper,conformer")
     p.add_argument("--worlds", default="2,4,8")
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--budget", type=float, default=500.0, help="data.max_duration (wav2vec2, conformer)")
+    p.add_argument("--budget", type=float, default=500.0, help="data.max_duration (wav2vec2, conformer, manifest)")
     p.add_argument("--batch", type=int, default=24, help="windows per batch (whisper)")
+    p.add_argument("--manifest", default="", help="a training manifest instead of the synthetic corpora")
+    p.add_argument("--quadratic", type=float, default=0.0, help="data.quadratic_duration (manifest mode)")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     rows = []
     print(f"{'workload':9s} {'W':>2s} {'plan':22s} {'steps':>6s} {'balance':>8s} {'padding':>8s}")
-    for workload in a.workloads.split(","):
-        lengths, kw, flops = workload_setup(workload, a.budget, a.batch)
+    for workload in (["manifest"] if a.manifest else a.workloads.split(",")):
+        if a.manifest:
+            from ddptrain.data.manifest import load_manifest
+
+            lengths = np.array([e.duration for e in load_manifest(a.manifest)], dtype=np.float64)
+            data = ddptrain.load_config(None, []).data
+            kw = dict(max_duration=a.budget, quadratic_duration=a.quadratic, num_buckets=data.num_buckets,
+                      sort_pool=data.bucket_sort_pool, seed=data.seed)
+            flops = DurationBucketSampler(lengths, **kw)  # its cost function
+        else:
+            lengths, kw, flops = workload_setup(workload, a.budget, a.batch)
         for world in [int(w) for w in a.worlds.split(",")]:
             plans = [("sync_buckets=true", lambda: plan_costs(workload, flops, lengths, kw, world, a.epochs, True)),
                      ("sync_buckets=false", lambda: plan_costs(workload, flops, lengths, kw, world, a.epochs, False))]
