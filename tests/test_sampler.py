@@ -406,3 +406,40 @@ def test_a_reshard_does_not_leak_into_the_next_epoch_when_the_trainer_advances_t
     fresh = DurationBucketSampler(DURS, world_size=2, rank=0, **kw)
     fresh.set_epoch(1)
     assert list(m) == list(fresh)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_synchronised_plans_keep_the_sampler_contract_on_random_setups(seed):
+    """Random sizes, world sizes, budgets, pools, bucket counts and tails, with sync_buckets on:
+    equal batch counts, budget kept, coverage, and an exact reshard onto another world size."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    durs = librispeech_like(n, seed=seed)
+    world = int(rng.integers(2, 9))
+    tail = ("split", "exact", "duplicate")[seed % 3]
+    kw = dict(max_duration=float(rng.uniform(36, 200)), sort_pool=int(rng.integers(0, 9)),
+              num_buckets=int(rng.integers(1, 40)), seed=seed, tail=tail)
+    ranks = all_ranks(durs, world, **kw)
+    assert len({len(b) for b in ranks}) == 1
+    flat = [i for r in ranks for b in r for i in b]
+    assert set(flat) == set(range(n))
+    if tail == "exact":
+        assert sorted(flat) == list(range(n))
+    assert all(len(b) * durs[b].max() <= kw["max_duration"] + 1e-9 for r in ranks for b in r if len(b))
+    if tail != "exact":
+        return
+    # reshard after k steps onto another world size: every utterance still exactly once
+    k = int(rng.integers(0, len(ranks[0]) + 1))
+    new_world = int(rng.integers(1, 9))
+    consumed = [i for r in ranks for b in r[:k] for i in b]
+    s = DurationBucketSampler(durs, world_size=world, rank=0, **kw)
+    it = iter(s)
+    for _ in range(k):
+        next(it)
+    state = s.state_dict()
+    rest = []
+    for r in range(new_world):
+        s2 = DurationBucketSampler(durs, world_size=new_world, rank=r, **kw)
+        s2.load_state_dict(state)
+        rest += [i for b in s2 for i in b]
+    assert sorted(consumed + rest) == list(range(n))
