@@ -425,7 +425,7 @@ class Trainer:
         sampler = self._stateful_sampler()
         if sampler is not None and hasattr(sampler, "epoch_stats"):
             stats = sampler.epoch_stats()
-            for k in ("padding_fraction", "batch_size_mean", "budget_fill"):
+            for k in ("padding_fraction", "batch_size_mean", "budget_fill", "step_balance"):
                 if isinstance(stats.get(k), (int, float)):
                     scalars[f"data_{k}"] = stats[k]
         self.logger.log(self.step, scalars)

@@ -194,6 +194,15 @@ def test_sync_buckets_give_the_ranks_of_a_step_batches_from_one_bucket(world_siz
     # (measured here: median 1.007 / 1.015 / 1.048 synced vs 1.53 / 2.01 / 3.64 free, W = 2 / 3 / 8)
     assert np.median(_step_spread(synced)) < 1.1
     assert np.median(_step_spread(free)) > 1.4
+    # the sampler reports the same balance (in its cost model: padded seconds)
+    balance = {}
+    for plan, sync in ((synced, True), (free, False)):
+        stats = DurationBucketSampler(DURS, world_size=world_size, rank=0, sync_buckets=sync, **kw).epoch_stats()
+        c = np.array([[len(b) * DURS[b].max() for b in step] for step in zip(*plan)])
+        assert stats["step_balance"] == pytest.approx(c.mean(1).sum() / c.max(1).sum())
+        balance[sync] = stats["step_balance"]
+    # (measured here: 0.994 / 0.984 / 0.952 synced vs 0.926 / 0.913 / 0.888 free, W = 2 / 3 / 8)
+    assert balance[True] > balance[False] + 0.05
     # and the plan still covers every utterance once, with the same batches overall
     assert sorted(i for r in synced for b in r for i in b) == list(range(len(DURS)))
     assert len(synced[0]) == len(free[0])

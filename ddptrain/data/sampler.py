@@ -411,7 +411,9 @@ class DurationBucketSampler(Sampler):
 
         Returns:
             dict with ``padding_fraction`` (padded seconds that are padding), ``budget_fill``
-            (mean padded batch cost / max_duration), ``batch_size_mean/min/max``,
+            (mean padded batch cost / max_duration), ``step_balance`` (sum over steps of the
+            ranks' mean padded batch cost / of their maximum: 1.0 = no rank waits for another
+            at the step's all-reduce, in the sampler's cost model), ``batch_size_mean/min/max``,
             ``num_batches`` (this rank), ``num_batches_total`` (all ranks), ``num_utterances``
             (including duplicates), ``duplicated_utterances``, ``dropped_utterances``,
             ``split_batches``, ``empty_batches``.
@@ -431,9 +433,13 @@ class DurationBucketSampler(Sampler):
             real = float(d.sum())
         padded = float((nonempty * longest).sum())
         cost = nonempty * self._cost(longest)
+        per_step = np.zeros(sizes.size)
+        per_step[sizes > 0] = cost
+        per_step = per_step.reshape(-1, self.world_size)  # the plan is a multiple of the world size
         stats = {
             "padding_fraction": 1.0 - real / padded if padded else 0.0,
             "budget_fill": float(cost.mean() / self.max_duration) if cost.size else 0.0,
+            "step_balance": float(per_step.mean(1).sum() / per_step.max(1).sum()) if cost.size else 1.0,
             "batch_size_mean": float(sizes.mean()) if sizes.size else 0.0,
             "batch_size_min": int(sizes.min()) if sizes.size else 0,
             "batch_size_max": int(sizes.max()) if sizes.size else 0,
