@@ -36,8 +36,9 @@ uses the ``DeferredSyncTrainer`` prototype; ``sdpa: no_cudnn`` turns cuDNN atten
 that skips the all-reduce, so the step keeps DDP's bucketing and graph splits but not NCCL —
 the ranks then train apart, only the time counts; ``same_data: 1`` (diagnostic) gives every
 rank rank 0's batches, which takes the cost imbalance between ranks' batches out of the step;
-``as_world: N`` on one GPU trains on the batches of an N-GPU run (``Interleave``). ``bench/gpu_session.py`` holds the plans that produced
-BENCHMARKS.md; results of 2026-11-29 are in ``bench/results/``.
+``as_world: N`` on one GPU trains on the batches of an N-GPU run (``Interleave``).
+``bench/gpu_session.py`` holds the plans that produced BENCHMARKS.md; results of 2026-11-29
+and 2026-11-30 are in ``bench/results/``.
 """
 
 from __future__ import annotations
