@@ -60,10 +60,9 @@ def balance(costs: np.ndarray) -> float:
     return float(costs.mean(axis=1).sum() / costs.max(axis=1).sum())
 
 
-def plan_costs(workload, flops, lengths, sampler_kw, world, epochs, sync) -> tuple[np.ndarray, float]:
-    """(steps x W cost matrix over ``epochs`` epochs, padding fraction of the plan)."""
-    samplers = [DurationBucketSampler(lengths, world_size=world, rank=r, sync_buckets=sync, **sampler_kw)
-                for r in range(world)]
+def plan_costs(workload, flops, samplers, epochs) -> tuple[np.ndarray, float]:
+    """(steps x W cost matrix over ``epochs`` epochs, padding fraction of the plan); one sampler per rank."""
+    lengths = samplers[0].durations
     rows, real, padded = [], 0.0, 0.0
     for epoch in range(epochs):
         per_rank = []
@@ -93,22 +92,21 @@ def random_costs(workload, flops, lengths, batch, world, epochs, seed=0) -> tupl
     return np.array(rows), 1 - real / padded
 
 
-def workload_setup(workload: str, budget: float, batch: int):
-    """(lengths, sampler kwargs, Flops) as the benchmark's loaders build them."""
-    import finetune_hf_model as fhm
-    from bench_models import build, hf_cfg
+def workload_samplers(workload: str, budget: float, batch: int):
+    """(``samplers(world, sync)`` -> one batch sampler per rank, Flops): the very samplers the
+    benchmark's loaders use (``bench_models.make_loader``), so the plans cannot drift apart."""
+    from bench_models import build, make_loader
 
-    data = ddptrain.load_config(None, []).data
-    exp = {"batch": batch, "budget": budget}
-    h = hf_cfg("wav2vec2" if workload == "conformer" else workload, "large", exp)
+    exp = {"batch": batch, "budget": budget, "workers": 0}
     with torch.device("meta"):
         model, _, flops = build(workload, "large", exp, torch.device("meta"))
-    del model
-    common = dict(num_buckets=data.num_buckets, sort_pool=data.bucket_sort_pool, seed=data.seed)
-    if workload == "whisper":  # as fhm.build_synthetic_loader: transcript lengths, fixed batch
-        lengths = fhm.synthetic_token_counts(h, data.seed).astype(np.float64) + len(fhm.SyntheticWindows.PREFIX) + 1
-        return lengths, dict(max_duration=batch * lengths.max(), max_batch_size=batch, **common), flops
-    return fhm.synthetic_durations(h, data.seed), dict(max_duration=budget, **common), flops
+
+    def samplers(world: int, sync: bool) -> list:
+        data = ddptrain.load_config(None, [f"data.max_duration={budget}", "data.num_workers=0",
+                                           f"data.sync_buckets={sync}"]).data
+        return [make_loader(workload, "large", exp, model, flops, r, world, data).batch_sampler for r in range(world)]
+
+    return samplers, flops
 
 
 def main(argv=None) -> list[dict]:
@@ -133,12 +131,17 @@ def main(argv=None) -> list[dict]:
             kw = dict(max_duration=a.budget, quadratic_duration=a.quadratic, num_buckets=data.num_buckets,
                       sort_pool=data.bucket_sort_pool, seed=data.seed)
             flops = DurationBucketSampler(lengths, **kw)  # its cost function
+
+            def samplers(world, sync):
+                return [DurationBucketSampler(lengths, world_size=world, rank=r, sync_buckets=sync, **kw)
+                        for r in range(world)]
         else:
-            lengths, kw, flops = workload_setup(workload, a.budget, a.batch)
+            samplers, flops = workload_samplers(workload, a.budget, a.batch)
         for world in [int(w) for w in a.worlds.split(",")]:
-            plans = [("sync_buckets=true", lambda: plan_costs(workload, flops, lengths, kw, world, a.epochs, True)),
-                     ("sync_buckets=false", lambda: plan_costs(workload, flops, lengths, kw, world, a.epochs, False))]
+            plans = [("sync_buckets=true", lambda: plan_costs(workload, flops, samplers(world, True), a.epochs)),
+                     ("sync_buckets=false", lambda: plan_costs(workload, flops, samplers(world, False), a.epochs))]
             if workload == "whisper":
+                lengths = samplers(1, True)[0].durations
                 plans.append(("random batches", lambda: random_costs(workload, flops, lengths, a.batch, world, a.epochs)))
             for name, fn in plans:
                 costs, pad = fn()

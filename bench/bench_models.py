@@ -274,7 +274,8 @@ def make_loader(workload: str, preset: str, exp: dict, model, flops: Flops, rank
 
         durs = fhm.synthetic_durations(h, data_cfg.seed)
         sampler = DurationBucketSampler(durs, max_duration=data_cfg.max_duration, num_buckets=data_cfg.num_buckets,
-                                        sort_pool=data_cfg.bucket_sort_pool, seed=data_cfg.seed, world_size=ws, rank=rank)
+                                        sort_pool=data_cfg.bucket_sort_pool, sync_buckets=data_cfg.sync_buckets,
+                                        seed=data_cfg.seed, world_size=ws, rank=rank)
         # targets must be below the model's vocabulary: CPU ctc_loss does not check, and an
         # out-of-range target writes outside its buffers (the tiny preset's heap corruption)
         return torch.utils.data.DataLoader(SyntheticFbank(durs, vocab=model.cfg.vocab_size), batch_sampler=sampler,
