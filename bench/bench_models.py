@@ -318,6 +318,36 @@ class TimedLoss:
         return self.fn(model, batch)
 
 
+class GcPauses:
+    """Records each Python garbage collection (host start time, generation, duration) while active.
+
+    Why: an automatic collection on one rank stalls every rank at the next all-reduce; this
+    shows whether the pauses land inside the timed steps (``trainer.gc_every_steps`` paces them).
+    """
+
+    def __init__(self):
+        self.events, self._start = [], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.events.append((self._start, info["generation"], time.perf_counter() - self._start))
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+    def summary(self, t0: float, t1: float) -> dict:
+        ev = [(g, d) for t, g, d in self.events if t0 <= t < t1]
+        return {"gc_count": len(ev), "gc_ms_total": round(1e3 * sum(d for _, d in ev), 1),
+                "gc_pauses_over_1ms": [[g, round(1e3 * d, 1)] for g, d in ev if d > 1e-3]}
+
+
 class ReplayLoader:
     """Yields the first ``k`` batches of ``loader``, then the same ``k`` batches again, forever.
 
@@ -625,7 +655,8 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
         ddp = getattr(trainer.model, "_orig_mod", trainer.model)  # under a whole-model compile
         ddp.register_comm_hook(state=None, hook=_no_allreduce)
     mem_init = mem_now()
-    trainer.fit()
+    with GcPauses() as pauses:
+        trainer.fit()
     sync()
     mem_rest = mem_now()
     peak = mem_peak()
@@ -640,7 +671,8 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     extra = {"mem_after_init_gb": mem_init / 1e9, "mem_at_rest_gb": mem_rest / 1e9,
              "recomputed_modules": len(trainer.recomputed), "compiled_modules": len(trainer.compiled),
              "estimate_gb": {k: round(v / 1e9, 3) for k, v in est.items() if not k.startswith("num_")},
-             "num_params": est["num_params"], "num_trainable": est["num_trainable"]}
+             "num_params": est["num_params"], "num_trainable": est["num_trainable"],
+             **pauses.summary(calls[W][0], calls[W + N][0])}
     if exp.get("profile") or exp.get("syncs"):
         it = iter(loader.loader if isinstance(loader, TimedLoader) else loader)
         batches = [next(it) for _ in range(exp.get("profile_steps", 3) + 1)]

@@ -374,6 +374,56 @@ PLANS = {
             ], 200, 9, 8, {"replay": 8}),
         ],
     ],
+    # call 13 (session 4): Whisper's 2-GPU overhead on identical work, in one call. Stage 1: the
+    # 1-GPU baseline on the 2-GPU run's 24 batches (profiled), and the same with Python's
+    # automatic GC (GPU 1). Stage 2: 2 GPUs with paced GC (the default now, profiled), with
+    # automatic GC, and with neither communication nor batch differences (nocomm + same_data).
+    #   python3 bench/gpu_session.py call13 --out $OUT --budget 560 --no-calib
+    "call13": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, profile=1, ov=P + ["compile.enabled=true"]),
+            ], 220, 25, 24, {"replay": 24}),
+            ("wh1g", "1", "whisper", [
+                E("whole_b24_p16_as2_gc0", "ddptrain", batch=24, as_world=2,
+                  ov=P + ["compile.enabled=true", "trainer.gc_every_steps=0"]),
+            ], 220, 25, 24, {"replay": 24}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_gc0", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "trainer.gc_every_steps=0"]),
+                E("whole_b24_p16_nocomm_same", "ddptrain", batch=24, nocomm=1, same_data=1,
+                  ov=P + ["compile.enabled=true"]),
+            ], 330, 13, 12, {"replay": 12}),
+        ],
+    ],
+    # call 14 (session 4): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
+    # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
+    #   python3 bench/gpu_session.py call14 --out $OUT --budget 560 --no-calib
+    "call14": [
+        [
+            ("w2v1", "0", "wav2vec2", [
+                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, profile=1, ov=P + VC),
+            ], 220, 25, 24, {"replay": 24}),
+            ("cf1", "1", "conformer", [
+                E("p16_comp_dyn_as2", "ddptrain", budget=600, as_world=2,
+                  ov=P + ["compile.enabled=true", "compile.dynamic=true", "compile.module_classes=[ConformerLayer]"]),
+            ], 220, 17, 16, {"replay": 16}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+                E("comp_500_p16_nosync", "ddptrain", budget=500, ov=P + VC + ["data.sync_buckets=false"]),
+            ], 280, 13, 12, {"replay": 12}),
+        ],
+        [
+            ("cf2", "0,1", "conformer", [
+                E("p16_comp_dyn", "ddptrain", budget=600,
+                  ov=P + ["compile.enabled=true", "compile.dynamic=true", "compile.module_classes=[ConformerLayer]"]),
+            ], 150, 9, 8, {"replay": 8}),
+        ],
+    ],
 }
 
 

@@ -1,4 +1,5 @@
-"""Process-level concerns of a training process: preemption signals and the CPU thread budget.
+"""Process-level concerns of a training process: preemption signals, the CPU thread budget and
+when Python's garbage collector runs.
 
 Kept out of the Trainer so the loop reads as training only. Everything here is per process; the
 collective agreement on a preemption (all ranks stop at the same step) happens in the Trainer's
@@ -7,6 +8,7 @@ per-step all-reduce.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -90,3 +92,53 @@ class _IgnoreSignalsThen:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
         if self.inner is not None:
             self.inner(worker_id)
+
+
+class StepPacedGC:
+    """Runs Python's cyclic garbage collector at the same optimizer steps on every rank.
+
+    Why: CPython's automatic collector starts whenever allocations pass a threshold, so each
+    rank pauses at its own moment, and in synchronous data parallelism every other rank waits
+    for it at the next all-reduce. The pauses are not small in a training process: a compiled
+    model holds millions of Python objects (FX graphs, guards), and a full collection walks all
+    of them (BENCHMARKS.md: a lone 2x step in 2-GPU Whisper runs). torchtitan and torchtnt pace
+    the collector the same way.
+
+    With ``every_steps`` > 0 the automatic collector is off inside ``fit()``: the young
+    generations are collected every ``every_steps`` steps (cheap: only recent objects), and a
+    full collection runs at epoch ends, after evaluations and after checkpoints, where the
+    ranks wait for each other anyway. Garbage without reference cycles is freed at once as
+    always; only cycles wait for the next collection. ``every_steps`` = 0 leaves Python's
+    automatic collection as it is.
+
+    Args:
+        every_steps: collect the young generations every this many optimizer steps; 0 = off.
+    """
+
+    def __init__(self, every_steps: int):
+        if every_steps < 0:
+            raise ValueError(f"trainer.gc_every_steps must be >= 0, got {every_steps}")
+        self.every_steps = every_steps
+        self._was_enabled = True
+
+    def start(self) -> None:
+        """Collect everything once, then switch the automatic collector off (if pacing)."""
+        self._was_enabled = gc.isenabled()
+        if self.every_steps > 0:
+            gc.collect()
+            gc.disable()
+
+    def step(self, step: int) -> None:
+        """Called after optimizer step ``step`` (1-based) on every rank."""
+        if self.every_steps > 0 and step % self.every_steps == 0:
+            gc.collect(1)
+
+    def full(self) -> None:
+        """A full collection at a point where the ranks are synchronised anyway."""
+        if self.every_steps > 0:
+            gc.collect()
+
+    def stop(self) -> None:
+        """Give the process its automatic collector back (as it was before ``start``)."""
+        if self.every_steps > 0 and self._was_enabled:
+            gc.enable()

@@ -32,7 +32,7 @@ from ddptrain.config import Config, to_yaml
 from ddptrain.logging import RunLogger
 from ddptrain.optim import build_optimizer, build_scheduler, is_zero
 from ddptrain.precision import MasterWeights, Precision
-from ddptrain.process import PreemptionFlag, budget_cpu_threads, shield_workers_from_signals
+from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, shield_workers_from_signals
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -126,6 +126,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.last_eval_step: Optional[int] = None
         self.preemption = PreemptionFlag(t.preempt_signals)
+        self.gc = StepPacedGC(t.gc_every_steps)  # collector pauses at the same steps on all ranks
         self._last_saved_step = -1
         self._resume_rng: Optional[dict] = None
         self._last_batch: Any = None  # host copy of the last non-empty batch (see train_step)
@@ -152,6 +153,7 @@ class Trainer:
         preempted = False
         try:
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
+            self.gc.start()
             while self.step < self.total_steps:
                 batches = self._epoch_iterator()
                 epoch_ended = False
@@ -165,6 +167,7 @@ class Trainer:
                     out = self.train_step(micro)
                     self.step += 1
                     self.batches_done += len(micro)
+                    self.gc.step(self.step)
                     window["loss"] += out["loss_sum"]
                     window["units"] += out["units"]
                     window["steps"] += 1
@@ -174,15 +177,18 @@ class Trainer:
                         self._log_train(window, out)
                     if self.eval_data is not None and t.eval_every > 0 and self.step % t.eval_every == 0:
                         self.evaluate()
+                        self.gc.full()
                     if out["preempt"]:  # agreed by all ranks inside train_step's all-reduce
                         preempted = True
                         break
                     if c.every_steps > 0 and self.step % c.every_steps == 0:
                         self.save()
+                        self.gc.full()
                 if preempted:
                     break
                 if epoch_ended or self.batches_done >= self.batches_per_epoch:
                     self.epoch, self.batches_done = self.epoch + 1, 0
+                    self.gc.full()
             if preempted:
                 self.logger.print(f"preemption signal: saving at step {self.step} and exiting")
                 self.save()
@@ -197,6 +203,7 @@ class Trainer:
             # exception (whose traceback keeps this frame alive) is on its way out of the process.
             batches = None  # noqa: F841
             self.preemption.restore()
+            self.gc.stop()
             self.logger.close()
 
     def train_step(self, micro_batches: list) -> dict:

@@ -330,3 +330,43 @@ def test_empty_batch_on_one_rank_counts_as_zero_units(tmp_path):
     got = torch.load(tmp_path / "empty.pt")
     for k, v in params_of(ref).items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# ----------------------------------------------------------------------------- garbage collection
+
+
+def test_gc_is_paced_by_steps_and_restored(tmp_path):
+    """Automatic GC is off inside fit(); young collections every N steps, full ones at epoch end."""
+    import gc
+
+    events = []
+
+    def loss(model, batch):
+        events.append(("step", gc.isenabled()))
+        return frame_loss(model, batch)
+
+    def on_gc(phase, info):
+        if phase == "stop":
+            events.append(("gc", info["generation"]))
+
+    data = [b for mb in micro_batches(4) for b in mb]  # 8 batches: one epoch = 8 steps
+    cfg = make_cfg(tmp_path, "trainer.max_epochs=1", "trainer.gc_every_steps=3", "checkpoint.save_at_end=false")
+    trainer = ddptrain.Trainer(FrameMLP(), loss, cfg, data)
+    assert gc.isenabled()
+    gc.callbacks.append(on_gc)
+    try:
+        trainer.fit()
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert gc.isenabled()  # given back
+    assert all(enabled is False for kind, enabled in events if kind == "step")
+    seq = ["s" if kind == "step" else f"g{v}" for kind, v in events]
+    assert "".join(seq) == "g2sssg1sssg1ssg2", seq
+
+    events.clear()
+    cfg = make_cfg(tmp_path, "trainer.max_epochs=1", "trainer.gc_every_steps=0", "checkpoint.save_at_end=false")
+    ddptrain.Trainer(FrameMLP(), loss, cfg, data).fit()
+    assert [v for kind, v in events if kind == "step"] == [True] * 8  # Python's own collector stays on
+
+    with pytest.raises(ValueError, match="gc_every_steps"):
+        ddptrain.Trainer(FrameMLP(), loss, make_cfg(tmp_path, "trainer.gc_every_steps=-1"), data)
