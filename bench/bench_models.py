@@ -672,7 +672,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
              "recomputed_modules": len(trainer.recomputed), "compiled_modules": len(trainer.compiled),
              "estimate_gb": {k: round(v / 1e9, 3) for k, v in est.items() if not k.startswith("num_")},
              "num_params": est["num_params"], "num_trainable": est["num_trainable"],
-             **pauses.summary(calls[W][0], calls[W + N][0])}
+             "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0])}
     if exp.get("profile") or exp.get("syncs"):
         it = iter(loader.loader if isinstance(loader, TimedLoader) else loader)
         batches = [next(it) for _ in range(exp.get("profile_steps", 3) + 1)]

@@ -398,6 +398,37 @@ PLANS = {
             ], 330, 13, 12, {"replay": 12}),
         ],
     ],
+    # call 15 (session 4): where Whisper's 2-GPU overhead comes from. Call 13 found it is neither
+    # the all-reduce nor batch imbalance (2 GPUs without all-reduce, same data: 587 ms vs 497 on
+    # one GPU). Stage 1: one GPU as a DDP rank of a group of one (ddp1), with dynamo's DDP graph
+    # splits and with one graph. Stage 2: the plain 1-GPU baselines again on this machine
+    # (Whisper and wav2vec2). Stage 3: wav2vec2 on 2 GPUs, sync vs unsync buckets.
+    #   python3 bench/gpu_session.py call15 --out $OUT --budget 540 --no-calib
+    "call15": [
+        [
+            ("wh1d", "0", "whisper", [
+                E("whole_b24_p16_as2_ddp1", "ddptrain", batch=24, as_world=2, ddp1=1, ov=P + ["compile.enabled=true"]),
+            ], 200, 25, 24, {"replay": 24}),
+            ("wh1o", "1", "whisper", [
+                E("whole_b24_p16_as2_ddp1_noov", "ddptrain", batch=24, as_world=2, ddp1=1,
+                  ov=P + ["compile.enabled=true", "compile.ddp_overlap=false"]),
+            ], 200, 25, 24, {"replay": 24}),
+        ],
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, ov=P + ["compile.enabled=true"]),
+            ], 200, 25, 24, {"replay": 24}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, ov=P + VC),
+            ], 200, 25, 24, {"replay": 24}),
+        ],
+        [
+            ("w2v2", "0,1", "wav2vec2", [
+                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
+                E("comp_500_p16_nosync", "ddptrain", budget=500, ov=P + VC + ["data.sync_buckets=false"]),
+            ], 240, 13, 12, {"replay": 12}),
+        ],
+    ],
     # call 14 (session 4): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
     #   python3 bench/gpu_session.py call14 --out $OUT --budget 560 --no-calib
@@ -451,7 +482,11 @@ def job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port):
     with open(exps_file, "w") as f:
         json.dump(exps, f)
     py = sys.executable
-    launch = [py, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={port}"] if n > 1 else [py]
+    # ddp1 (diagnostic): one GPU under torchrun, so the Trainer makes a process group of one and
+    # wraps the model in DDP: the cost of being a DDP rank, without a second rank
+    ddp1 = any(e.get("ddp1") for e in exps)
+    launch = ([py, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={port}"]
+              if n > 1 or ddp1 else [py])
     return launch + [os.path.join(HERE, "bench_models.py"), "--workload", workload, "--exps", "@" + exps_file,
                      "--out", os.path.join(out_dir, "results.jsonl"), "--tag", label,
                      "--warmup", str(1 if dry else warmup), "--steps", str(2 if dry else steps),
