@@ -429,6 +429,22 @@ PLANS = {
             ], 240, 13, 12, {"replay": 12}),
         ],
     ],
+    # call 16 (session 4): is the 2-GPU kernel slowdown NCCL's? Call 13's profile: on 2 GPUs the
+    # GEMMs take 9% longer than on one (358 vs 329 ms a step) while NCCL kernels sit on the GPU
+    # for 164 ms of each step, yet 2 GPUs without all-reduce were not faster (587 ms, but run
+    # third in its process). Profile 2 GPUs without all-reduce (first in the process this time),
+    # then with 8x larger DDP buckets (16x fewer all-reduce kernels waiting for the peer).
+    #   python3 bench/gpu_session.py call16 --out $OUT --budget 420 --no-calib
+    "call16": [
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16_nocomm_same", "ddptrain", batch=24, nocomm=1, same_data=1, profile=1,
+                  ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_bucket200", "ddptrain", batch=24, profile=1,
+                  ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=200"]),
+            ], 380, 13, 12, {"replay": 12}),
+        ],
+    ],
     # call 14 (session 4): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
     #   python3 bench/gpu_session.py call14 --out $OUT --budget 560 --no-calib
