@@ -445,6 +445,17 @@ PLANS = {
             ], 380, 13, 12, {"replay": 12}),
         ],
     ],
+    # call 17 (session 4): call 16 showed that without the all-reduce 2 GPUs scale at 97% and
+    # the GEMMs are as fast as on one GPU: the all-reduce's NCCL kernels, resident on the GPU
+    # while they wait for the peer, slow the backward down. Fewer NCCL channels = fewer SMs taken.
+    # Each variant in its own process (call 13/16: a later experiment in a process ran 4-14% slower).
+    #   python3 bench/gpu_session.py call17 --out $OUT --budget 280 --no-calib
+    "call17": [
+        [("wh2", "0,1", "whisper", [E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+          135, 13, 12, {"replay": 12})],
+        [("wh2c4", "0,1", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+          135, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"})],
+    ],
     # call 14 (session 4): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
     #   python3 bench/gpu_session.py call14 --out $OUT --budget 560 --no-calib
