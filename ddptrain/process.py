@@ -68,21 +68,25 @@ def budget_cpu_threads(loader: Any) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local - workers))
 
 
-def shield_workers_from_signals(loader: Any, names: list[str]) -> None:
-    """Make DataLoader workers ignore the preemption signals.
+def prepare_loader_workers(loader: Any, names: list[str]) -> None:
+    """Make DataLoader workers ignore the preemption signals and keep Python's automatic GC.
 
-    A cluster often signals the whole process group. A worker killed by SIGTERM makes the main
-    process's next ``next(loader)`` raise, which would turn an orderly preemption save into a
-    crash; the main process alone decides when to stop, and shuts its workers down itself.
+    Signals: a cluster often signals the whole process group. A worker killed by SIGTERM makes
+    the main process's next ``next(loader)`` raise, which would turn an orderly preemption save
+    into a crash; the main process alone decides when to stop, and shuts its workers down itself.
+
+    GC: workers are forked while ``fit()`` has the automatic collector off (``StepPacedGC``) and
+    would inherit that; nothing paces their collections, so their reference cycles would pile up
+    for the whole epoch. Each worker turns it back on.
     """
     if not hasattr(loader, "worker_init_fn") or getattr(loader, "num_workers", 0) == 0:
         return
-    if not isinstance(loader.worker_init_fn, _IgnoreSignalsThen):
-        loader.worker_init_fn = _IgnoreSignalsThen(names, loader.worker_init_fn)
+    if not isinstance(loader.worker_init_fn, _WorkerInit):
+        loader.worker_init_fn = _WorkerInit(names, loader.worker_init_fn)
 
 
-class _IgnoreSignalsThen:
-    """Picklable worker_init_fn: ignore ``names``, then call the user's own init function."""
+class _WorkerInit:
+    """Picklable worker_init_fn: ignore ``names``, enable GC, then call the user's own init."""
 
     def __init__(self, names: list[str], inner: Optional[Callable]):
         self.names, self.inner = list(names), inner
@@ -90,6 +94,7 @@ class _IgnoreSignalsThen:
     def __call__(self, worker_id: int) -> None:
         for name in self.names:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+        gc.enable()
         if self.inner is not None:
             self.inner(worker_id)
 

@@ -32,7 +32,7 @@ from ddptrain.config import Config, to_yaml
 from ddptrain.logging import RunLogger
 from ddptrain.optim import build_optimizer, build_scheduler, is_zero
 from ddptrain.precision import MasterWeights, Precision
-from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, shield_workers_from_signals
+from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -109,7 +109,7 @@ class Trainer:
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
 
         for loader in (train_data, eval_data):
-            shield_workers_from_signals(loader, t.preempt_signals)
+            prepare_loader_workers(loader, t.preempt_signals)
         self.batches_per_epoch = len(train_data)
         if self.batches_per_epoch == 0:
             raise ValueError("train_data is empty on rank %d" % self.info.rank)

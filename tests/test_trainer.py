@@ -370,3 +370,33 @@ def test_gc_is_paced_by_steps_and_restored(tmp_path):
 
     with pytest.raises(ValueError, match="gc_every_steps"):
         ddptrain.Trainer(FrameMLP(), loss, make_cfg(tmp_path, "trainer.gc_every_steps=-1"), data)
+
+
+class _GcProbe(torch.utils.data.Dataset):
+    """Batches that carry whether their DataLoader worker had Python's automatic GC on."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        import gc
+
+        return dict(self.batches[i], gc_on=torch.tensor(gc.isenabled()))
+
+
+def test_loader_workers_keep_automatic_gc(tmp_path):
+    """Workers forked while fit() has the collector off must not inherit that (they would leak cycles)."""
+    seen = []
+
+    def loss(model, batch):
+        seen.append(bool(batch.pop("gc_on")))
+        return frame_loss(model, batch)
+
+    data = [b for mb in micro_batches(2) for b in mb]
+    loader = torch.utils.data.DataLoader(_GcProbe(data), batch_size=None, num_workers=1)
+    cfg = make_cfg(tmp_path, "trainer.max_epochs=1", "checkpoint.save_at_end=false")
+    ddptrain.Trainer(FrameMLP(), loss, cfg, loader).fit()
+    assert seen == [True] * len(data)
