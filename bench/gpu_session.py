@@ -1,8 +1,9 @@
 """Run a named plan of bench_models.py jobs on a 2-GPU machine inside one time-boxed call.
 
 A plan is a list of stages; the jobs of a stage run at the same time (1-GPU jobs on different
-GPUs), stages one after the other. Every job has a hard timeout (its process group is killed)
-so the call always ends and returns what was measured. Results: ``OUT/results.jsonl`` (one
+GPUs), stages one after the other; each experiment runs in its own process (see
+``one_per_process``). Every process has a hard timeout (its process group is killed) so the
+call always ends and returns what was measured. Results: ``OUT/results.jsonl`` (one
 line per experiment, see bench_models.py), ``OUT/logs.tar.gz`` (every job's full log), and a
 table on stdout. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
 
@@ -340,7 +341,8 @@ PLANS = {
             ], 80, 9, 8, {"replay": 8}),
         ],
     ],
-    # call 12 (prepared for the next session, not yet run): scaling on identical work with longer
+    # call 12 (session 4 ran stages 0-1 as "call 12a", in the shared-process mode; stages 2-3 were
+    # replaced by calls 13 and 15): scaling on identical work with longer
     # replays (one GPU trains on the 2-GPU run's 24 batches), sync vs unsync buckets over 12
     # steps, the Conformer compiled with dynamic shapes. Two device calls:
     #   python3 bench/gpu_session.py call12 --stages 0,1 --out $OUT --budget 560 --no-calib
@@ -456,7 +458,71 @@ PLANS = {
         [("wh2c4", "0,1", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
           135, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"})],
     ],
-    # call 14 (session 4): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
+    # call 18 (prepared in session 4, not yet run): how to keep the all-reduce's NCCL kernels
+    # from slowing the backward (fourth pass: GEMMs +9% while they wait on the GPU). 1-GPU
+    # baselines on the 2-GPU batches first, then Whisper on 2 GPUs: default, 2 and 4 NCCL
+    # channels, all-reduce after the backward. Each in its own process (the default now).
+    #   python3 bench/gpu_session.py call18 --out $OUT --budget 560 --no-calib
+    "call18": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, ov=P + ["compile.enabled=true"]),
+            ], 200, 25, 24, {"replay": 24}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, ov=P + VC),
+            ], 200, 25, 24, {"replay": 24}),
+        ],
+        [
+            ("wh2", "0,1", "whisper", [E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+             140, 13, 12, {"replay": 12}),
+            ("wh2c2", "0,1", "whisper", [E("whole_b24_p16_nch2", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+             140, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "2"}),
+            ("wh2c4", "0,1", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+             140, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
+            ("wh2o", "0,1", "whisper", [
+                E("whole_b24_p16_noov", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "compile.ddp_overlap=false"]),
+            ], 140, 13, 12, {"replay": 12}),
+        ],
+    ],
+    # call 19 (prepared in session 4, not yet run): DDP bucket size for Whisper, and the channel
+    # setting for wav2vec2 (shorter steps: the all-reduce is a larger share of them).
+    #   python3 bench/gpu_session.py call19 --out $OUT --budget 560 --no-calib
+    "call19": [
+        [
+            ("wh2", "0,1", "whisper", [
+                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
+                E("whole_b24_p16_bucket100", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=100"]),
+                E("whole_b24_p16_bucket400", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=400"]),
+            ], 140, 13, 12, {"replay": 12}),
+            ("w2v2", "0,1", "wav2vec2", [E("comp_500_p16", "ddptrain", budget=500, ov=P + VC)],
+             160, 13, 12, {"replay": 12}),
+            ("w2v2c4", "0,1", "wav2vec2", [E("comp_500_p16_nch4", "ddptrain", budget=500, ov=P + VC)],
+             160, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
+        ],
+    ],
+    # call 20 (prepared in session 4, for when nvidia-h200-x4 is lent): scaling at 4 GPUs on
+    # identical work (as_world=4: one GPU trains on the 4-GPU run's 48 batches = 12 steps).
+    #   python3 bench/gpu_session.py call20 --out $OUT --budget 560 --no-calib   (kind nvidia-h200-x4)
+    "call20": [
+        [
+            ("wh1", "0", "whisper", [
+                E("whole_b24_p16_as4", "ddptrain", batch=24, as_world=4, ov=P + ["compile.enabled=true"]),
+            ], 220, 49, 48, {"replay": 48}),
+            ("w2v1", "1", "wav2vec2", [
+                E("comp_500_p16_as4", "ddptrain", budget=500, as_world=4, ov=P + VC),
+            ], 220, 49, 48, {"replay": 48}),
+        ],
+        [
+            ("wh4", "0,1,2,3", "whisper", [E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+             150, 13, 12, {"replay": 12}),
+            ("w2v4", "0,1,2,3", "wav2vec2", [E("comp_500_p16", "ddptrain", budget=500, ov=P + VC)],
+             150, 13, 12, {"replay": 12}),
+            ("wh4c4", "0,1,2,3", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
+             150, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
+        ],
+    ],
+    # call 14 (session 4, not run: call 15 took its wav2vec2 part; its Conformer jobs are still
+    # owed): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
     #   python3 bench/gpu_session.py call14 --out $OUT --budget 560 --no-calib
     "call14": [
@@ -518,6 +584,25 @@ def job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port):
                      "--out", os.path.join(out_dir, "results.jsonl"), "--tag", label,
                      "--warmup", str(1 if dry else warmup), "--steps", str(2 if dry else steps),
                      "--preset", "tiny" if dry else "large"]
+
+
+def one_per_process(stage):
+    """Split every job of several experiments into one job (process) per experiment, in order.
+
+    Why: in the fourth pass a later experiment in a process ran 1-14% slower than the first
+    (the same no-all-reduce run: 587 ms third in its process, 514 ms first in another), which
+    had made two earlier conclusions wrong. A process per experiment costs ~15 s of start-up.
+    Each process keeps the job's timeout; the call's budget still bounds the whole stage.
+    """
+    out = []
+    for job in stage:
+        exps = job[3]
+        if len(exps) == 1:
+            out.append(job)
+            continue
+        for i, e in enumerate(exps):
+            out.append((f"{job[0]}-{i}", job[1], job[2], [e], *job[4:]))
+    return out
 
 
 def run_stage(stage, out_dir, dry, t_start, budget_s):
@@ -615,6 +700,8 @@ def main():
     ap.add_argument("--dry", action="store_true", help="tiny models on CPU")
     ap.add_argument("--stages", default="", help="comma-separated stage indices to run (default all)")
     ap.add_argument("--no-calib", action="store_true")
+    ap.add_argument("--shared-process", action="store_true",
+                    help="run a job's experiments in one process (before session 4's finding; see one_per_process)")
     a = ap.parse_args()
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     t0 = time.time()
@@ -627,7 +714,7 @@ def main():
         if time.time() - t0 > a.budget - 20:
             print(f"skipping stage {i}: budget spent", flush=True)
             continue
-        run_stage(stages[i], a.out, a.dry, t0, a.budget)
+        run_stage(stages[i] if a.shared_process else one_per_process(stages[i]), a.out, a.dry, t0, a.budget)
     with tarfile.open(os.path.join(a.out, "logs.tar.gz"), "w:gz") as tar:
         tar.add(os.path.join(a.out, "logs"), arcname="logs")
     import shutil

@@ -105,9 +105,10 @@ class StepPacedGC:
     Why: CPython's automatic collector starts whenever allocations pass a threshold, so each
     rank pauses at its own moment, and in synchronous data parallelism every other rank waits
     for it at the next all-reduce. The pauses are not small in a training process: a compiled
-    model holds millions of Python objects (FX graphs, guards), and a full collection walks all
-    of them (BENCHMARKS.md: a lone 2x step in 2-GPU Whisper runs). torchtitan and torchtnt pace
-    the collector the same way.
+    model holds many Python objects (FX graphs, guards), and a full collection walks all of them
+    (BENCHMARKS.md, fourth pass: one took 460 ms in a compiled tiny Whisper on CPU; the lone 2x
+    steps of two 2-GPU runs with automatic GC may have been this, not proven). torchtitan and
+    torchtnt pace the collector the same way.
 
     With ``every_steps`` > 0 the automatic collector is off inside ``fit()``: the young
     generations are collected every ``every_steps`` steps (cheap: only recent objects), and a
