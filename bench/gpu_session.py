@@ -484,8 +484,8 @@ PLANS = {
             ], 140, 13, 12, {"replay": 12}),
         ],
     ],
-    # call 19 (prepared in session 4, not yet run): DDP bucket size for Whisper, and the channel
-    # setting for wav2vec2 (shorter steps: the all-reduce is a larger share of them).
+    # call 19 (prepared in session 4, not yet run): DDP bucket size for Whisper; for wav2vec2
+    # (shorter steps: the all-reduce is a larger share of them) 4 channels and one bucket.
     #   python3 bench/gpu_session.py call19 --out $OUT --budget 560 --no-calib
     "call19": [
         [
@@ -498,6 +498,9 @@ PLANS = {
              160, 13, 12, {"replay": 12}),
             ("w2v2c4", "0,1", "wav2vec2", [E("comp_500_p16_nch4", "ddptrain", budget=500, ov=P + VC)],
              160, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
+            ("w2v2b", "0,1", "wav2vec2", [  # one 630 MB bucket: the all-reduce after the backward
+                E("comp_500_p16_bucket1000", "ddptrain", budget=500, ov=P + VC + ["dist.bucket_cap_mb=1000"]),
+            ], 160, 13, 12, {"replay": 12}),
         ],
     ],
     # call 20 (prepared in session 4, for when nvidia-h200-x4 is lent): scaling at 4 GPUs on
