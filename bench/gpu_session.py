@@ -435,7 +435,7 @@ PLANS = {
     # GEMMs take 9% longer than on one (358 vs 329 ms a step) while NCCL kernels sit on the GPU
     # for 164 ms of each step, yet 2 GPUs without all-reduce were not faster (587 ms, but run
     # third in its process). Profile 2 GPUs without all-reduce (first in the process this time),
-    # then with 8x larger DDP buckets (16x fewer all-reduce kernels waiting for the peer).
+    # then with 8x larger DDP buckets (8x fewer all-reduce kernels waiting for the peer).
     #   python3 bench/gpu_session.py call16 --out $OUT --budget 420 --no-calib
     "call16": [
         [
