@@ -6,6 +6,7 @@ one rank ends all ranks). Results travel back through files in tmp_path.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -337,8 +338,6 @@ def test_empty_batch_on_one_rank_counts_as_zero_units(tmp_path):
 
 def test_gc_is_paced_by_steps_and_restored(tmp_path):
     """Automatic GC is off inside fit(); young collections every N steps, full ones at epoch end."""
-    import gc
-
     events = []
 
     def loss(model, batch):
@@ -382,8 +381,6 @@ class _GcProbe(torch.utils.data.Dataset):
         return len(self.batches)
 
     def __getitem__(self, i):
-        import gc
-
         return dict(self.batches[i], gc_on=torch.tensor(gc.isenabled()))
 
 
