@@ -307,14 +307,58 @@ class TimedLoader:
             yield b
 
 
+class GpuSensors:
+    """This process's GPU as NVML reports it: SM clock, temperature, power, throttle reasons.
+
+    Why: session 4 saw a later experiment run up to 14% slower than the first on the same GPUs;
+    a hot GPU clocking down would look just like that (and like a communication overhead when a
+    cold 1-GPU run is compared with a warm 2-GPU one). Sampled once per step; off when NVML is
+    not there (CPU, or no pynvml).
+    """
+
+    def __init__(self):
+        self.samples: list = []
+        self.ok = torch.cuda.is_available()
+
+    def sample(self) -> None:
+        if not self.ok:
+            return
+        try:
+            mask = 0
+            try:  # private helper: the NVML handle of the current device (honours CUDA_VISIBLE_DEVICES)
+                import pynvml
+
+                mask = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(torch.cuda._get_pynvml_handler())
+            except Exception:
+                pass
+            self.samples.append((torch.cuda.clock_rate(), torch.cuda.temperature(), torch.cuda.power_draw() / 1e3, mask))
+        except Exception as e:  # no NVML: say so once, then stop trying
+            log(f"GPU sensors off: {type(e).__name__}: {e}")
+            self.ok = False
+
+    def summary(self, i0: int, i1: int) -> dict:
+        got = [x for x in self.samples[i0:i1] if x]
+        if not got:
+            return {}
+        clocks = [c for c, _, _, _ in got]
+        mask = 0
+        for *_, m in got:
+            mask |= int(m)
+        # this rank's GPU only (no collective here: a rank without NVML must not hang the others)
+        return {"sm_clock_mhz": [min(clocks), round(sum(clocks) / len(clocks)), max(clocks)],
+                "gpu_temp_c": [got[0][1], got[-1][1]], "power_w_mean": round(sum(p for _, _, p, _ in got) / len(got)),
+                "throttle_reasons_mask": hex(mask)}
+
+
 class TimedLoss:
     """Wraps the loss: records the host time and the batch stats at every call (= every step start)."""
 
     def __init__(self, fn):
-        self.fn, self.calls = fn, []
+        self.fn, self.calls, self.sensors = fn, [], GpuSensors()
 
     def __call__(self, model, batch):
         self.calls.append((time.perf_counter(), batch.get("stats", {})))
+        self.sensors.sample()
         return self.fn(model, batch)
 
 
@@ -672,7 +716,8 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
              "recomputed_modules": len(trainer.recomputed), "compiled_modules": len(trainer.compiled),
              "estimate_gb": {k: round(v / 1e9, 3) for k, v in est.items() if not k.startswith("num_")},
              "num_params": est["num_params"], "num_trainable": est["num_trainable"],
-             "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0])}
+             "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0]),
+             **timed.sensors.summary(W, W + N)}
     if exp.get("profile") or exp.get("syncs"):
         it = iter(loader.loader if isinstance(loader, TimedLoader) else loader)
         batches = [next(it) for _ in range(exp.get("profile_steps", 3) + 1)]

@@ -680,7 +680,7 @@ def table(results_path: str) -> str:
         return "(no results)"
     rows = [json.loads(x) for x in open(results_path) if x.strip()]
     hdr = f"{'workload':9s} {'gpus':>4s} {'name':18s} {'smp/s':>8s} {'audio-s/s':>10s} {'pad':>5s} {'MFU':>6s} " \
-          f"{'peakGB':>7s} {'restGB':>7s} {'wait':>6s} {'idle':>6s} {'step ms':>8s}"
+          f"{'peakGB':>7s} {'restGB':>7s} {'wait':>6s} {'idle':>6s} {'step ms':>8s} {'SM MHz':>7s} {'degC':>8s}"
     out = [hdr]
     for r in rows:
         if "error" in r:
@@ -691,7 +691,8 @@ def table(results_path: str) -> str:
         out.append(f"{r['workload']:9s} {r['world_size']:4d} {r['name']:18s} {r['samples_per_s']:8.1f} "
                    f"{r['audio_s_per_s']:10.1f} {r['padding_frac']:5.3f} {r['mfu']:6.3f} {r['peak_alloc_gb']:7.1f} "
                    f"{r.get('mem_at_rest_gb', float('nan')):7.2f} {wait if wait is None else round(wait, 3)!s:>6s} "
-                   f"{idle if idle is None else round(idle, 3)!s:>6s} {r.get('step_ms_median') or 0:8.0f}")
+                   f"{idle if idle is None else round(idle, 3)!s:>6s} {r.get('step_ms_median') or 0:8.0f} "
+                   f"{r.get('sm_clock_mhz', [None] * 3)[1]!s:>7s} {'-'.join(map(str, r.get('gpu_temp_c', []))):>8s}")
     return "\n".join(out)
 
 
