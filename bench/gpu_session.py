@@ -376,6 +376,8 @@ PLANS = {
             ], 200, 9, 8, {"replay": 8}),
         ],
     ],
+    # Calls 12-17 ran with a job's experiments in one process: to repeat them as they ran, add
+    # --shared-process.
     # call 13 (session 4): Whisper's 2-GPU overhead on identical work, in one call. Stage 1: the
     # 1-GPU baseline on the 2-GPU run's 24 batches (profiled), and the same with Python's
     # automatic GC (GPU 1). Stage 2: 2 GPUs with paced GC (the default now, profiled), with
@@ -400,9 +402,9 @@ PLANS = {
             ], 330, 13, 12, {"replay": 12}),
         ],
     ],
-    # call 15 (session 4): where Whisper's 2-GPU overhead comes from. Call 13 found it is neither
-    # the all-reduce nor batch imbalance (2 GPUs without all-reduce, same data: 587 ms vs 497 on
-    # one GPU). Stage 1: one GPU as a DDP rank of a group of one (ddp1), with dynamo's DDP graph
+    # call 15 (session 4): where Whisper's 2-GPU overhead comes from. Call 13 seemed to show it is
+    # neither the all-reduce nor batch imbalance (2 GPUs without all-reduce, same data: 587 ms vs
+    # 497 on one GPU; call 16 overturned that: 514 ms when run first in its process). Stage 1: one GPU as a DDP rank of a group of one (ddp1), with dynamo's DDP graph
     # splits and with one graph. Stage 2: the plain 1-GPU baselines again on this machine
     # (Whisper and wav2vec2). Stage 3: wav2vec2 on 2 GPUs, sync vs unsync buckets.
     #   python3 bench/gpu_session.py call15 --out $OUT --budget 540 --no-calib
