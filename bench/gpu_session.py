@@ -36,6 +36,28 @@ def E(name, peer, **kw):
     return dict(name=name, peer=peer, **kw)
 
 
+# Helpers for the plans of session 4 on (call 13 and later); earlier plans are kept as written.
+WW = P + ["compile.enabled=true"]  # Whisper's best setting: whole-model compile, bf16 params
+CD = P + ["compile.enabled=true", "compile.dynamic=true", "compile.module_classes=[ConformerLayer]"]
+
+
+def wh(name, *extra_ov, **kw):
+    """A ddptrain Whisper experiment at 24 windows per GPU, compiled whole with bf16 params."""
+    return E(name, "ddptrain", batch=24, ov=WW + list(extra_ov), **kw)
+
+
+def w2v(name, *extra_ov, **kw):
+    """A ddptrain wav2vec2 experiment at 500 s per GPU, its blocks compiled, bf16 params."""
+    return E(name, "ddptrain", budget=500, ov=P + VC + list(extra_ov), **kw)
+
+
+def job(label, gpus, workload, exps, timeout, steps=12, env=None):
+    """A job that times a replay of ``steps`` batches after ``steps`` + 1 warm-up steps (the
+    first pass over them compiles and caches every shape)."""
+    j = (label, gpus, workload, exps, timeout, steps + 1, steps, {"replay": steps})
+    return j + (env,) if env else j
+
+
 # Each job: (label, gpus, workload, experiments, timeout_s[, warmup, steps[, defaults[, env]]])
 PLANS = {
     "call1": [
@@ -385,52 +407,37 @@ PLANS = {
     #   python3 bench/gpu_session.py call13 --out $OUT --budget 560 --no-calib
     "call13": [
         [
-            ("wh1", "0", "whisper", [
-                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, profile=1, ov=P + ["compile.enabled=true"]),
-            ], 220, 25, 24, {"replay": 24}),
-            ("wh1g", "1", "whisper", [
-                E("whole_b24_p16_as2_gc0", "ddptrain", batch=24, as_world=2,
-                  ov=P + ["compile.enabled=true", "trainer.gc_every_steps=0"]),
-            ], 220, 25, 24, {"replay": 24}),
+            job("wh1", "0", "whisper", [wh("whole_b24_p16_as2", as_world=2, profile=1)], 220, steps=24),
+            job("wh1g", "1", "whisper", [wh("whole_b24_p16_as2_gc0", "trainer.gc_every_steps=0", as_world=2)], 220, steps=24),
         ],
         [
-            ("wh2", "0,1", "whisper", [
-                E("whole_b24_p16", "ddptrain", batch=24, profile=1, ov=P + ["compile.enabled=true"]),
-                E("whole_b24_p16_gc0", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "trainer.gc_every_steps=0"]),
-                E("whole_b24_p16_nocomm_same", "ddptrain", batch=24, nocomm=1, same_data=1,
-                  ov=P + ["compile.enabled=true"]),
-            ], 330, 13, 12, {"replay": 12}),
+            job("wh2", "0,1", "whisper", [
+                wh("whole_b24_p16", profile=1),
+                wh("whole_b24_p16_gc0", "trainer.gc_every_steps=0"),
+                wh("whole_b24_p16_nocomm_same", nocomm=1, same_data=1),
+            ], 330),
         ],
     ],
     # call 15 (session 4): where Whisper's 2-GPU overhead comes from. Call 13 seemed to show it is
     # neither the all-reduce nor batch imbalance (2 GPUs without all-reduce, same data: 587 ms vs
-    # 497 on one GPU; call 16 overturned that: 514 ms when run first in its process). Stage 1: one GPU as a DDP rank of a group of one (ddp1), with dynamo's DDP graph
-    # splits and with one graph. Stage 2: the plain 1-GPU baselines again on this machine
+    # 497 on one GPU; call 16 overturned that: 514 ms when run first in its process). Stage 1:
+    # one GPU as a DDP rank of a group of one (ddp1), with dynamo's DDP graph splits and with
+    # one graph. Stage 2: the plain 1-GPU baselines again on this machine
     # (Whisper and wav2vec2). Stage 3: wav2vec2 on 2 GPUs, sync vs unsync buckets.
     #   python3 bench/gpu_session.py call15 --out $OUT --budget 540 --no-calib
     "call15": [
         [
-            ("wh1d", "0", "whisper", [
-                E("whole_b24_p16_as2_ddp1", "ddptrain", batch=24, as_world=2, ddp1=1, ov=P + ["compile.enabled=true"]),
-            ], 200, 25, 24, {"replay": 24}),
-            ("wh1o", "1", "whisper", [
-                E("whole_b24_p16_as2_ddp1_noov", "ddptrain", batch=24, as_world=2, ddp1=1,
-                  ov=P + ["compile.enabled=true", "compile.ddp_overlap=false"]),
-            ], 200, 25, 24, {"replay": 24}),
+            job("wh1d", "0", "whisper", [wh("whole_b24_p16_as2_ddp1", as_world=2, ddp1=1)], 200, steps=24),
+            job("wh1o", "1", "whisper", [wh("whole_b24_p16_as2_ddp1_noov", "compile.ddp_overlap=false", as_world=2,
+                                            ddp1=1)], 200, steps=24),
         ],
         [
-            ("wh1", "0", "whisper", [
-                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, ov=P + ["compile.enabled=true"]),
-            ], 200, 25, 24, {"replay": 24}),
-            ("w2v1", "1", "wav2vec2", [
-                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, ov=P + VC),
-            ], 200, 25, 24, {"replay": 24}),
+            job("wh1", "0", "whisper", [wh("whole_b24_p16_as2", as_world=2)], 200, steps=24),
+            job("w2v1", "1", "wav2vec2", [w2v("comp_500_p16_as2", as_world=2)], 200, steps=24),
         ],
         [
-            ("w2v2", "0,1", "wav2vec2", [
-                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
-                E("comp_500_p16_nosync", "ddptrain", budget=500, ov=P + VC + ["data.sync_buckets=false"]),
-            ], 240, 13, 12, {"replay": 12}),
+            job("w2v2", "0,1", "wav2vec2", [w2v("comp_500_p16"), w2v("comp_500_p16_nosync", "data.sync_buckets=false")],
+                240),
         ],
     ],
     # call 16 (session 4): is the 2-GPU kernel slowdown NCCL's? Call 13's profile: on 2 GPUs the
@@ -441,12 +448,10 @@ PLANS = {
     #   python3 bench/gpu_session.py call16 --out $OUT --budget 420 --no-calib
     "call16": [
         [
-            ("wh2", "0,1", "whisper", [
-                E("whole_b24_p16_nocomm_same", "ddptrain", batch=24, nocomm=1, same_data=1, profile=1,
-                  ov=P + ["compile.enabled=true"]),
-                E("whole_b24_p16_bucket200", "ddptrain", batch=24, profile=1,
-                  ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=200"]),
-            ], 380, 13, 12, {"replay": 12}),
+            job("wh2", "0,1", "whisper", [
+                wh("whole_b24_p16_nocomm_same", nocomm=1, same_data=1, profile=1),
+                wh("whole_b24_p16_bucket200", "dist.bucket_cap_mb=200", profile=1),
+            ], 380),
         ],
     ],
     # call 17 (session 4): call 16 showed that without the all-reduce 2 GPUs scale at 97% and
@@ -455,10 +460,8 @@ PLANS = {
     # Each variant in its own process (call 13/16: a later experiment in a process ran 4-14% slower).
     #   python3 bench/gpu_session.py call17 --out $OUT --budget 280 --no-calib
     "call17": [
-        [("wh2", "0,1", "whisper", [E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-          135, 13, 12, {"replay": 12})],
-        [("wh2c4", "0,1", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-          135, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"})],
+        [job("wh2", "0,1", "whisper", [wh("whole_b24_p16")], 135)],
+        [job("wh2c4", "0,1", "whisper", [wh("whole_b24_p16_nch4")], 135, env={"NCCL_MAX_NCHANNELS": "4"})],
     ],
     # call 18 (prepared in session 4, not yet run): how to keep the all-reduce's NCCL kernels
     # from slowing the backward (fourth pass: GEMMs +9% while they wait on the GPU). 1-GPU
@@ -467,23 +470,14 @@ PLANS = {
     #   python3 bench/gpu_session.py call18 --out $OUT --budget 560 --no-calib
     "call18": [
         [
-            ("wh1", "0", "whisper", [
-                E("whole_b24_p16_as2", "ddptrain", batch=24, as_world=2, ov=P + ["compile.enabled=true"]),
-            ], 200, 25, 24, {"replay": 24}),
-            ("w2v1", "1", "wav2vec2", [
-                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, ov=P + VC),
-            ], 200, 25, 24, {"replay": 24}),
+            job("wh1", "0", "whisper", [wh("whole_b24_p16_as2", as_world=2)], 200, steps=24),
+            job("w2v1", "1", "wav2vec2", [w2v("comp_500_p16_as2", as_world=2)], 200, steps=24),
         ],
         [
-            ("wh2", "0,1", "whisper", [E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-             140, 13, 12, {"replay": 12}),
-            ("wh2c2", "0,1", "whisper", [E("whole_b24_p16_nch2", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-             140, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "2"}),
-            ("wh2c4", "0,1", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-             140, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
-            ("wh2o", "0,1", "whisper", [
-                E("whole_b24_p16_noov", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "compile.ddp_overlap=false"]),
-            ], 140, 13, 12, {"replay": 12}),
+            job("wh2", "0,1", "whisper", [wh("whole_b24_p16")], 140),
+            job("wh2c2", "0,1", "whisper", [wh("whole_b24_p16_nch2")], 140, env={"NCCL_MAX_NCHANNELS": "2"}),
+            job("wh2c4", "0,1", "whisper", [wh("whole_b24_p16_nch4")], 140, env={"NCCL_MAX_NCHANNELS": "4"}),
+            job("wh2o", "0,1", "whisper", [wh("whole_b24_p16_noov", "compile.ddp_overlap=false")], 140),
         ],
     ],
     # call 19 (prepared in session 4, not yet run): DDP bucket size for Whisper; for wav2vec2
@@ -491,18 +485,15 @@ PLANS = {
     #   python3 bench/gpu_session.py call19 --out $OUT --budget 560 --no-calib
     "call19": [
         [
-            ("wh2", "0,1", "whisper", [
-                E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"]),
-                E("whole_b24_p16_bucket100", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=100"]),
-                E("whole_b24_p16_bucket400", "ddptrain", batch=24, ov=P + ["compile.enabled=true", "dist.bucket_cap_mb=400"]),
-            ], 140, 13, 12, {"replay": 12}),
-            ("w2v2", "0,1", "wav2vec2", [E("comp_500_p16", "ddptrain", budget=500, ov=P + VC)],
-             160, 13, 12, {"replay": 12}),
-            ("w2v2c4", "0,1", "wav2vec2", [E("comp_500_p16_nch4", "ddptrain", budget=500, ov=P + VC)],
-             160, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
-            ("w2v2b", "0,1", "wav2vec2", [  # one 630 MB bucket: the all-reduce after the backward
-                E("comp_500_p16_bucket1000", "ddptrain", budget=500, ov=P + VC + ["dist.bucket_cap_mb=1000"]),
-            ], 160, 13, 12, {"replay": 12}),
+            job("wh2", "0,1", "whisper", [
+                wh("whole_b24_p16"),
+                wh("whole_b24_p16_bucket100", "dist.bucket_cap_mb=100"),
+                wh("whole_b24_p16_bucket400", "dist.bucket_cap_mb=400"),
+            ], 140),
+            job("w2v2", "0,1", "wav2vec2", [w2v("comp_500_p16")], 160),
+            job("w2v2c4", "0,1", "wav2vec2", [w2v("comp_500_p16_nch4")], 160, env={"NCCL_MAX_NCHANNELS": "4"}),
+            # one 630 MB bucket: the all-reduce after the backward
+            job("w2v2b", "0,1", "wav2vec2", [w2v("comp_500_p16_bucket1000", "dist.bucket_cap_mb=1000")], 160),
         ],
     ],
     # call 20 (prepared in session 4, for when nvidia-h200-x4 is lent): scaling at 4 GPUs on
@@ -510,20 +501,13 @@ PLANS = {
     #   python3 bench/gpu_session.py call20 --out $OUT --budget 560 --no-calib   (kind nvidia-h200-x4)
     "call20": [
         [
-            ("wh1", "0", "whisper", [
-                E("whole_b24_p16_as4", "ddptrain", batch=24, as_world=4, ov=P + ["compile.enabled=true"]),
-            ], 220, 49, 48, {"replay": 48}),
-            ("w2v1", "1", "wav2vec2", [
-                E("comp_500_p16_as4", "ddptrain", budget=500, as_world=4, ov=P + VC),
-            ], 220, 49, 48, {"replay": 48}),
+            job("wh1", "0", "whisper", [wh("whole_b24_p16_as4", as_world=4)], 220, steps=48),
+            job("w2v1", "1", "wav2vec2", [w2v("comp_500_p16_as4", as_world=4)], 220, steps=48),
         ],
         [
-            ("wh4", "0,1,2,3", "whisper", [E("whole_b24_p16", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-             150, 13, 12, {"replay": 12}),
-            ("w2v4", "0,1,2,3", "wav2vec2", [E("comp_500_p16", "ddptrain", budget=500, ov=P + VC)],
-             150, 13, 12, {"replay": 12}),
-            ("wh4c4", "0,1,2,3", "whisper", [E("whole_b24_p16_nch4", "ddptrain", batch=24, ov=P + ["compile.enabled=true"])],
-             150, 13, 12, {"replay": 12}, {"NCCL_MAX_NCHANNELS": "4"}),
+            job("wh4", "0,1,2,3", "whisper", [wh("whole_b24_p16")], 150),
+            job("w2v4", "0,1,2,3", "wav2vec2", [w2v("comp_500_p16")], 150),
+            job("wh4c4", "0,1,2,3", "whisper", [wh("whole_b24_p16_nch4")], 150, env={"NCCL_MAX_NCHANNELS": "4"}),
         ],
     ],
     # call 14 (session 4, not run: call 15 took its wav2vec2 part; its Conformer jobs are still
@@ -532,25 +516,15 @@ PLANS = {
     #   python3 bench/gpu_session.py call14 --out $OUT --budget 560 --no-calib
     "call14": [
         [
-            ("w2v1", "0", "wav2vec2", [
-                E("comp_500_p16_as2", "ddptrain", budget=500, as_world=2, profile=1, ov=P + VC),
-            ], 220, 25, 24, {"replay": 24}),
-            ("cf1", "1", "conformer", [
-                E("p16_comp_dyn_as2", "ddptrain", budget=600, as_world=2,
-                  ov=P + ["compile.enabled=true", "compile.dynamic=true", "compile.module_classes=[ConformerLayer]"]),
-            ], 220, 17, 16, {"replay": 16}),
+            job("w2v1", "0", "wav2vec2", [w2v("comp_500_p16_as2", as_world=2, profile=1)], 220, steps=24),
+            job("cf1", "1", "conformer", [E("p16_comp_dyn_as2", "ddptrain", budget=600, as_world=2, ov=CD)], 220, steps=16),
         ],
         [
-            ("w2v2", "0,1", "wav2vec2", [
-                E("comp_500_p16", "ddptrain", budget=500, ov=P + VC),
-                E("comp_500_p16_nosync", "ddptrain", budget=500, ov=P + VC + ["data.sync_buckets=false"]),
-            ], 280, 13, 12, {"replay": 12}),
+            job("w2v2", "0,1", "wav2vec2", [w2v("comp_500_p16"), w2v("comp_500_p16_nosync", "data.sync_buckets=false")],
+                280),
         ],
         [
-            ("cf2", "0,1", "conformer", [
-                E("p16_comp_dyn", "ddptrain", budget=600,
-                  ov=P + ["compile.enabled=true", "compile.dynamic=true", "compile.module_classes=[ConformerLayer]"]),
-            ], 150, 9, 8, {"replay": 8}),
+            job("cf2", "0,1", "conformer", [E("p16_comp_dyn", "ddptrain", budget=600, ov=CD)], 150, steps=8),
         ],
     ],
 }
