@@ -510,6 +510,26 @@ PLANS = {
             job("wh4c4", "0,1,2,3", "whisper", [wh("whole_b24_p16_nch4")], 150, env={"NCCL_MAX_NCHANNELS": "4"}),
         ],
     ],
+    # call 21 (session 5: only one GPU lent, multi-GPU kinds withheld): the compiled Conformer
+    # with dynamic shapes against eager and the bare loop (owed since call 8a); Whisper's 1-GPU
+    # MFU with the GPU sensors recorded (first run of GpuSensors).
+    #   python3 bench/gpu_session.py call21 --out $OUT --budget 330 --no-calib
+    "call21": [
+        [
+            job("cf1e", "0", "conformer", [E("p16", "ddptrain", budget=600, ov=P, profile=1)], 150, steps=16),
+            job("cf1b", "0", "conformer", [E("bare", "bare", budget=600)], 150, steps=16),
+            job("cf1c", "0", "conformer", [E("p16_comp_dyn", "ddptrain", budget=600, ov=CD, profile=1)], 240, steps=16),
+            job("wh1", "0", "whisper", [wh("whole_b24_p16")], 200, steps=24),
+        ],
+    ],
+    # call 21b: is the in-process slowdown of later experiments (fourth pass) there on one GPU,
+    # and does the SM clock or temperature follow it? The same experiment three times in one
+    # process; run with --shared-process.
+    #   python3 bench/gpu_session.py call21b --out $OUT/b --budget 230 --no-calib --shared-process
+    "call21b": [
+        [job("wh1s", "0", "whisper", [wh("whole_b24_p16_r1"), wh("whole_b24_p16_r2"), wh("whole_b24_p16_r3")],
+             220, steps=16)],
+    ],
     # call 14 (session 4, not run: call 15 took its wav2vec2 part; its Conformer jobs are still
     # owed): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
