@@ -787,7 +787,7 @@ def run_bare(workload, preset, exp, W, N, tmp) -> dict:
             waits += time.perf_counter() - t
             stats.append(batch["stats"])
         loss = step(batch)
-        if i % 10 == 0:
+        if i % exp.get("item_every", 10) == 0:  # item_every=1: a host sync every step, as ddptrain has
             loss.item()
         times.append(time.perf_counter())
     sync()

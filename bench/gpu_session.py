@@ -530,6 +530,20 @@ PLANS = {
         [job("wh1s", "0", "whisper", [wh("whole_b24_p16_r1"), wh("whole_b24_p16_r2"), wh("whole_b24_p16_r3")],
              220, steps=16)],
     ],
+    # call 22 (session 5, one GPU): why ddptrain's eager Conformer step is slower than the bare
+    # loop's (call 21: 145 vs 129 ms, 27% of the step GPU-idle). Host syncs and profiles of
+    # ddptrain with fp32 and with bf16 params, the bare loop with its loss read every 10 steps
+    # and every step (the cost of one host sync a step), the compile with fp32 params.
+    #   python3 bench/gpu_session.py call22 --out $OUT --budget 420 --no-calib
+    "call22": [
+        [
+            job("cf_fp32", "0", "conformer", [E("fp32", "ddptrain", budget=600, profile=1, syncs=1)], 150, steps=24),
+            job("cf_p16", "0", "conformer", [E("p16", "ddptrain", budget=600, ov=P, profile=1, syncs=1)], 150, steps=24),
+            job("cf_bare", "0", "conformer", [E("bare", "bare", budget=600, profile=1, syncs=1)], 150, steps=24),
+            job("cf_bare1", "0", "conformer", [E("bare_item1", "bare", budget=600, item_every=1)], 150, steps=24),
+            job("cf_cfp32", "0", "conformer", [E("fp32_comp_dyn", "ddptrain", budget=600, ov=CD[1:])], 200, steps=24),
+        ],
+    ],
     # call 14 (session 4, not run: call 15 took its wav2vec2 part; its Conformer jobs are still
     # owed): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
