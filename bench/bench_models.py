@@ -582,6 +582,47 @@ def categorize(name: str) -> str:
     return "elementwise/other"
 
 
+def gap_owners(step_fn, batches: list, top: int = 6, min_ms: float = 0.5, gpu_cats=("kernel", "gpu_memcpy", "gpu_memset")) -> list:
+    """What the host was doing while the GPU sat idle: the ``top`` longest GPU idle gaps of the
+    steps, each with the project frames (ddptrain/, bench/, examples/; from ``with_stack``) and
+    host ops that overlap it most. Stack recording slows the host, so the gaps here are longer
+    than in an unprofiled step: use it to attribute gaps, not to size them."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=acts, with_stack=True) as prof:
+        for b in batches:
+            step_fn(b)
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if isinstance(e, dict) and "dur" in e]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in gpu_cats)
+    host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") not in gpu_cats
+            and e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "user_annotation")]
+    gaps, end = [], None
+    for s, e, name in gpu:  # times in microseconds
+        if end is not None and s - end > min_ms * 1e3:
+            gaps.append((end, s, name))
+        end = e if end is None else max(end, e)
+    gaps.sort(key=lambda g: g[0] - g[1])
+    out = []
+    for a, b, after in gaps[:top]:
+        over: dict = {}
+        for s, e, name in host:
+            o = min(e, b) - max(s, a)
+            mine = any(k in name for k in ("ddptrain/", "bench/", "examples/")) and "site-packages" not in name
+            if o > 0.05 * (b - a) and (mine or ".py(" not in name):
+                over[name[:100]] = max(over.get(name[:100], 0), o)
+        ranked = sorted(over.items(), key=lambda kv: -kv[1])[:14]
+        out.append({"gap_ms": round((b - a) / 1e3, 2), "next": after[:70],
+                    "host": [(n, round(o / 1e3, 2)) for n, o in ranked]})
+    return out
+
+
 def profile_steps(step_fn, batches: list) -> dict:
     """Run ``step_fn(batch)`` for each batch under torch.profiler (CUDA activity only) and report the
     GPU busy/idle share over the span of the steps, kernel time by category and the top kernels."""
@@ -718,7 +759,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
              "num_params": est["num_params"], "num_trainable": est["num_trainable"],
              "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0]),
              **timed.sensors.summary(W, W + N)}
-    if exp.get("profile") or exp.get("syncs"):
+    if exp.get("profile") or exp.get("syncs") or exp.get("gaps"):
         it = iter(loader.loader if isinstance(loader, TimedLoader) else loader)
         batches = [next(it) for _ in range(exp.get("profile_steps", 3) + 1)]
         step = lambda b: trainer.train_step([b])  # noqa: E731
@@ -727,6 +768,11 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
             extra["syncs"] = count_syncs(step, batches[0])
         if exp.get("profile"):
             extra["profile"] = profile_steps(step, batches[1:])
+        if exp.get("gaps"):
+            try:  # a diagnostic: its failure must not lose the timed result
+                extra["gaps"] = gap_owners(step, batches[1:3])
+            except Exception as e:  # noqa: BLE001
+                extra["gaps"] = f"{type(e).__name__}: {e}"
         del it, batches
     rec = summarize(exp, workload, ws, elapsed, stats, waits, steps,
                     {"peak_alloc_gb": peak["peak_alloc_gb"], "peak_reserved_gb": peak["peak_reserved_gb"]}, extra)
@@ -795,13 +841,18 @@ def run_bare(workload, preset, exp, W, N, tmp) -> dict:
     peak = mem_peak()
     steps = [b - a for a, b in zip(times[W:-1], times[W + 1:])]
     extra = {"mem_at_rest_gb": mem_now() / 1e9}
-    if exp.get("profile") or exp.get("syncs"):
+    if exp.get("profile") or exp.get("syncs") or exp.get("gaps"):
         batches = [next(it) for _ in range(exp.get("profile_steps", 3) + 1)]
         step(batches[0])
         if exp.get("syncs"):
             extra["syncs"] = count_syncs(step, batches[0])
         if exp.get("profile"):
             extra["profile"] = profile_steps(step, batches[1:])
+        if exp.get("gaps"):
+            try:  # a diagnostic: its failure must not lose the timed result
+                extra["gaps"] = gap_owners(step, batches[1:3])
+            except Exception as e:  # noqa: BLE001
+                extra["gaps"] = f"{type(e).__name__}: {e}"
     rec = summarize(exp, workload, ws, elapsed, stats, waits, steps, peak, extra)
     del it, model, module, opt, loader
     return rec
@@ -959,7 +1010,7 @@ def main(argv=None) -> None:
             with open(a.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             short = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()
-                     if k not in ("profile", "syncs", "ov")}
+                     if k not in ("profile", "syncs", "ov", "gaps")}
             print("RESULT", json.dumps(short), flush=True)
             if "profile" in rec:
                 pr = rec["profile"]
@@ -968,6 +1019,8 @@ def main(argv=None) -> None:
                     "kernel_ms_per_step_by_category", "runtime_calls_per_step", "idle_gaps_over_1ms_ms_per_step", "largest_idle_gaps")}), flush=True)
             if "syncs" in rec:
                 print("SYNCS", exp["name"], json.dumps(rec["syncs"][:12]), flush=True)
+            for g in rec.get("gaps", []) if isinstance(rec.get("gaps"), list) else [rec.get("gaps")]:
+                print("GAP", exp["name"], json.dumps(g), flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -544,6 +544,18 @@ PLANS = {
             job("cf_cfp32", "0", "conformer", [E("fp32_comp_dyn", "ddptrain", budget=600, ov=CD[1:])], 200, steps=24),
         ],
     ],
+    # call 23 (session 5, one GPU): after the fix of the second host sync (trainer.py: the
+    # preemption flag made with torch.full), ddptrain vs the bare loop again, with the host work
+    # that overlaps each long GPU idle gap (gap_owners); the fp32 run twice for the noise.
+    #   python3 bench/gpu_session.py call23 --out $OUT --budget 300 --no-calib
+    "call23": [
+        [
+            job("cf_fp32", "0", "conformer", [E("fp32", "ddptrain", budget=600, profile=1, syncs=1, gaps=1)], 150, steps=24),
+            job("cf_bare", "0", "conformer", [E("bare", "bare", budget=600, profile=1, gaps=1)], 150, steps=24),
+            job("cf_fp32b", "0", "conformer", [E("fp32_again", "ddptrain", budget=600)], 150, steps=24),
+            job("cf_p16", "0", "conformer", [E("p16", "ddptrain", budget=600, ov=P)], 150, steps=24),
+        ],
+    ],
     # call 14 (session 4, not run: call 15 took its wav2vec2 part; its Conformer jobs are still
     # owed): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
@@ -664,7 +676,7 @@ def run_stage(stage, out_dir, dry, t_start, budget_s):
                 r[4] += chunk
                 *lines, r[4] = r[4].split("\n")
                 for ln in lines:
-                    if ln.startswith(("RESULT", "PROFILE", "SYNCS", "CALIB")) or "Error" in ln or "error:" in ln:
+                    if ln.startswith(("RESULT", "PROFILE", "SYNCS", "CALIB", "GAP")) or "Error" in ln or "error:" in ln:
                         print(f"[{label}] {ln[:1500]}", flush=True)
             if p.poll() is None and time.time() > deadline:
                 print(f"[{label}] TIMEOUT: killing", flush=True)

@@ -245,7 +245,9 @@ class Trainer:
                     if grads else torch.zeros((), dtype=torch.float64, device=self.device))
         # One small all-reduce and one host sync per step: global loss sum, global unit count,
         # the preemption flag, and the (identical on every rank) gradient norm.
-        stop = torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=self.device)
+        # torch.full, not torch.tensor: a fill kernel, where a copy from a host scalar blocks the
+        # host until the backward has finished (a second host sync per step, seen on a GPU)
+        stop = torch.full((), float(self.preemption.requested), dtype=torch.float64, device=self.device)
         flags = torch.stack([loss_acc, units_acc, stop, raw_norm.to(self.device)])
         if self.info.distributed:
             torch.distributed.all_reduce(flags)
