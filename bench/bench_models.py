@@ -1019,7 +1019,8 @@ def main(argv=None) -> None:
                     "kernel_ms_per_step_by_category", "runtime_calls_per_step", "idle_gaps_over_1ms_ms_per_step", "largest_idle_gaps")}), flush=True)
             if "syncs" in rec:
                 print("SYNCS", exp["name"], json.dumps(rec["syncs"][:12]), flush=True)
-            for g in rec.get("gaps", []) if isinstance(rec.get("gaps"), list) else [rec.get("gaps")]:
+            gaps = rec.get("gaps", [])
+            for g in gaps if isinstance(gaps, list) else [gaps]:  # a string: the diagnostic failed
                 print("GAP", exp["name"], json.dumps(g), flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
