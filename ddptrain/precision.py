@@ -135,11 +135,12 @@ class MasterWeights:
         self._cast = [(p, m) for p, m in self.pairs if p is not m]
         self._kept = [p for p, m in self.pairs if p is m]  # fp32 already: the optimizer updates them
 
-    def load_grads(self, factor: float, owned: Optional[set] = None) -> None:
+    def load_grads(self, factor, owned: Optional[set] = None) -> None:
         """Master gradients = ``factor`` x the (all-reduced) model gradients, in fp32.
 
         Args:
-            factor: the Trainer's normalisation and clipping scale for this step.
+            factor: the Trainer's normalisation and clipping scale for this step (a float, or a
+                0-d tensor on the device when the step is decided there).
             owned: under ZeRO, the ids of the masters this rank updates; the others get none.
         """
         cast = [(p, m) for p, m in self._cast if p.grad is not None and (owned is None or id(m) in owned)]

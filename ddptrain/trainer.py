@@ -107,6 +107,10 @@ class Trainer:
         self._owned = ({id(p) for g in self.optimizer.optim.param_groups for p in g["params"]}
                        if is_zero(self.optimizer) else None)  # the masters this rank updates
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
+        # A fused Adam(W) can skip a non-finite step on the device (see train_step); fp16 keeps
+        # GradScaler's own skip, other optimizers a decision on the host.
+        inner = self.optimizer.optim if is_zero(self.optimizer) else self.optimizer
+        self.skip_on_device = t.precision != "fp16" and getattr(inner, "_step_supports_amp_scaling", False)
 
         for loader in (train_data, eval_data):
             prepare_loader_workers(loader, t.preempt_signals)
@@ -251,30 +255,46 @@ class Trainer:
         flags = torch.stack([loss_acc, units_acc, stop, raw_norm.to(self.device)])
         if self.info.distributed:
             torch.distributed.all_reduce(flags)
-        loss_sum, units, preempt, norm_sum = flags.tolist()
+        loss_t, units_t, _, norm_sum = flags.unbind()
 
         # DDP averaged the per-rank gradients of (unit_scale * loss_sum); the true gradient of the
-        # step is sum_over_ranks(grad of loss_sum) / global_units.
-        factor = self.info.world_size / (max(units, 1e-12) * self.unit_scale)
-        norm = norm_sum / self.info.world_size * factor
-        finite = math.isfinite(norm) and math.isfinite(loss_sum) and units > 0
+        # step is sum_over_ranks(grad of loss_sum) / global_units. On the device, so that a fused
+        # optimizer can be queued before the host has read any of it.
+        factor = self.info.world_size / (units_t.clamp_min(1e-12) * self.unit_scale)
+        norm_t = norm_sum / self.info.world_size * factor
+        finite_t = torch.isfinite(norm_t) & torch.isfinite(loss_t) & (units_t > 0)
         clip = self.cfg.trainer.clip_grad_norm
-        if finite and clip > 0 and norm > clip:
-            factor *= clip / (norm + 1e-6)
-        if finite and grads:
-            if self.master:  # fp32 master grads = factor x bf16 grads (only this rank's shard under ZeRO)
-                self.master.load_grads(factor, self._owned)
-            else:
-                torch._foreach_mul_(grads, factor)
-        stepped = False
-        if finite:
-            stepped = self.precision.step(self.optimizer)  # fp16: False if the scaler skipped it
+        if clip > 0:
+            factor = factor * torch.where(norm_t > clip, clip / (norm_t + 1e-6), 1.0)
+        report = torch.stack([loss_t, units_t, flags[2], norm_t, finite_t.double(), factor])
+        if self.skip_on_device:
+            # Why: deciding on the host means a host sync before the optimizer step, and the GPU
+            # then idles while the host launches it (a few ms a step: fifth GPU pass). Fused Adam
+            # takes a found_inf tensor, as under GradScaler, and leaves weights, moments and step
+            # count untouched where it is set: the skip is decided on the device.
+            self._scale_grads(grads, factor.float())
+            inner = self.optimizer.optim if is_zero(self.optimizer) else self.optimizer
+            inner.found_inf = (~finite_t).float()
+            try:
+                self.optimizer.step()
+            finally:
+                del inner.found_inf
+            if self.master:
+                self.master.copy_to_model()  # after a skip the masters are unchanged: a no-op copy
+            loss_sum, units, preempt, norm, finite, _ = report.tolist()
+            stepped = finite > 0
         else:
-            self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
+            loss_sum, units, preempt, norm, finite, factor = report.tolist()
+            stepped = False
+            if finite > 0:
+                self._scale_grads(grads, factor)
+                stepped = self.precision.step(self.optimizer)  # fp16: False if the scaler skipped it
+                if stepped and self.master:
+                    self.master.copy_to_model()
+            else:
+                self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
         if stepped:
             self.scheduler.step()  # the schedule only advances with real updates
-            if self.master:
-                self.master.copy_to_model()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master:
             self.master.zero_model_grads()
@@ -283,6 +303,16 @@ class Trainer:
             self.unit_scale = self.info.world_size * len(micro_batches) / units
         return {"loss_sum": loss_sum, "units": units, "grad_norm": norm, "stepped": stepped,
                 "preempt": preempt > 0}
+
+    def _scale_grads(self, grads: list, factor) -> None:
+        """Gradients (a float or a 0-d device tensor) x ``factor``; with masters, into their fp32
+        gradients (only this rank's shard under ZeRO)."""
+        if not grads:
+            return
+        if self.master:
+            self.master.load_grads(factor, self._owned)
+        else:
+            torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def evaluate(self, data: Optional[Iterable] = None, prefix: str = "eval") -> dict:

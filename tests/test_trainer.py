@@ -16,6 +16,7 @@ from torch import nn
 
 import ddptrain
 from ddptrain import checkpoint as ckpt
+from ddptrain.optim import is_zero
 
 from _dist import run_ranks
 
@@ -109,6 +110,29 @@ def test_two_ranks_equal_one_rank_big_batch_and_accumulation(tmp_path):
         assert not torch.allclose(v, start[k]), f"{k} did not train"
         torch.testing.assert_close(two_ranks[k], v, rtol=1e-5, atol=1e-6, msg=f"2 ranks vs big batch: {k}")
         torch.testing.assert_close(params_of(acc)[k], v, rtol=1e-5, atol=1e-6, msg=f"accumulation vs big batch: {k}")
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_step_decided_on_device_equals_host_decision(tmp_path, clip):
+    """A fused AdamW (skip and clip decided on the device, no host sync before the step) trains
+    to the same weights as the foreach AdamW (decided on the host), with clipping active or not."""
+    runs = {}
+    for fused in ("true", "false"):
+        torch.manual_seed(0)
+        model = FrameMLP()
+        cfg = make_cfg(tmp_path / fused, "trainer.max_steps=4", f"optim.fused={fused}",
+                       f"trainer.clip_grad_norm={clip}", "checkpoint.save_at_end=false")
+        trainer = ddptrain.Trainer(model, frame_loss, cfg, [b for mb in micro_batches(4) for b in mb])
+        assert trainer.skip_on_device == (fused == "true")
+        norms = [trainer.train_step([b])["grad_norm"] for b in [b for mb in micro_batches(4) for b in mb][:4]]
+        if clip:
+            assert min(norms) > clip, "the test must exercise clipping"
+        runs[fused] = params_of(model)
+    torch.manual_seed(0)
+    start = params_of(FrameMLP())
+    for k, v in runs["false"].items():
+        assert not torch.allclose(v, start[k]), f"{k} did not train"
+        torch.testing.assert_close(runs["true"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_mean_of_means_would_differ():
@@ -240,12 +264,13 @@ class InfOnStep:
 
 
 def _inf_worker(rank, world, out, variant):
-    precision, zero = variant.split("+")[0], "zero" in variant
+    precision, zero, fused = variant.split("+")[0], "zero" in variant, "fused" in variant
     torch.manual_seed(0)
     model = FrameMLP()
     data = [mb[rank] for mb in micro_batches(5)]
     cfg = make_cfg(os.path.join(out, variant), "trainer.max_steps=5", f"trainer.precision={precision}",
-                   f"optim.zero={zero}",
+                   f"optim.zero={zero}", f"optim.fused={fused}",
+                   *(["trainer.param_dtype=bf16"] if "masters" in variant else []),
                    "checkpoint.save_at_end=false", "scheduler.name=warmup_linear", "scheduler.warmup_steps=3",
                    "trainer.fp16_init_scale=256")  # no routine overflow: only the injected inf skips
     trainer = ddptrain.Trainer(model, InfOnStep({3}, rank), cfg, data)
@@ -255,15 +280,20 @@ def _inf_worker(rank, world, out, variant):
         out_step = trainer.train_step([mb])
         trainer.step += 1
         changed = any(not torch.equal(before[k], v) for k, v in params_of(model).items())
+        opt = trainer.optimizer.optim if is_zero(trainer.optimizer) else trainer.optimizer
+        adam_steps = {float(st["step"]) for st in opt.state.values()}
         snapshots.append({"stepped": out_step["stepped"], "changed": changed,
-                          "sched": trainer.scheduler.last_epoch})
+                          "sched": trainer.scheduler.last_epoch, "adam_steps": adam_steps,
+                          "on_device": trainer.skip_on_device})
     torch.save({"snap": snapshots, "skipped": trainer.skipped_steps}, os.path.join(out, f"{variant}_{rank}.pt"))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16+zero"])
+@pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16+zero", "fp32+fused", "fp32+fused+zero", "bf16+fused+masters"])
 def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, variant):
-    """GradScaler unscale/skip logic holds with plain and ZeRO-sharded optimizers."""
+    """GradScaler unscale/skip logic holds with plain and ZeRO-sharded optimizers; with a fused
+    Adam (fp32/bf16) the skip is decided on the device (found_inf), with the same outcome: no
+    change to the weights, Adam's step count or the schedule."""
     run_ranks(_inf_worker, 2, str(tmp_path), variant)
     for rank in range(2):
         res = torch.load(tmp_path / f"{variant}_{rank}.pt", weights_only=False)
@@ -272,6 +302,8 @@ def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, variant):
         assert not snap[2]["changed"], "params changed on the skipped step"
         assert [s["sched"] for s in snap] == [1, 2, 2, 3, 4], "scheduler advanced on a skipped step"
         assert res["skipped"] == 1
+        assert [s["adam_steps"] for s in snap] == [{1.0}, {2.0}, {2.0}, {3.0}, {4.0}]
+        assert all(s["on_device"] == ("fused" in variant) for s in snap)
 
 
 def test_consecutive_nonfinite_steps_abort(tmp_path):
