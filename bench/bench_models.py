@@ -983,7 +983,7 @@ def main(argv=None) -> None:
         torch.backends.cudnn.allow_tf32 = True
     import transformers
 
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "tag": a.tag,
+    meta = {"torch": torch.__version__, "ddptrain_from": os.path.relpath(os.path.dirname(ddptrain.__file__)), "transformers": transformers.__version__, "tag": a.tag,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": time.strftime("%Y-%m-%d")}
     for exp in exps:

@@ -556,6 +556,21 @@ PLANS = {
             job("cf_p16", "0", "conformer", [E("p16", "ddptrain", budget=600, ov=P)], 150, steps=24),
         ],
     ],
+    # call 24 (session 5, one GPU): the step decided on the device (fused AdamW's found_inf, no
+    # host sync before the optimizer) against the session-start code, which the device command
+    # puts first on PYTHONPATH from a copy (.old/ddptrain, git archive eeae3e8) in alternate
+    # invocations; the bare loop in each as the noise gauge. call24w: wav2vec2 (bf16 params with
+    # fp32 masters: the masters' path of the change on CUDA), once each.
+    #   python3 bench/gpu_session.py call24 --out $OUT/new1 --budget 150 --no-calib
+    "call24": [
+        [
+            job("cf_fp32", "0", "conformer", [E("fp32", "ddptrain", budget=600)], 120, steps=24),
+            job("cf_bare", "0", "conformer", [E("bare", "bare", budget=600)], 120, steps=24),
+        ],
+    ],
+    "call24w": [
+        [job("w2v1", "0", "wav2vec2", [w2v("comp_500_p16")], 200, steps=16)],
+    ],
     # call 14 (session 4, not run: call 15 took its wav2vec2 part; its Conformer jobs are still
     # owed): wav2vec2 sync vs unsync buckets on 2 GPUs against the 1-GPU baseline
     # on the same batches, in one call; the Conformer compiled with dynamic shapes, 1 and 2 GPUs.
