@@ -95,6 +95,28 @@ def is_zero(optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
+def skips_on_device(optimizer) -> bool:
+    """Whether the optimizer (ZeRO's local one, if sharded) can skip a step on the device: fused
+    Adam, AdamW and SGD take a ``found_inf`` tensor (the protocol GradScaler uses)."""
+    inner = optimizer.optim if is_zero(optimizer) else optimizer
+    return bool(getattr(inner, "_step_supports_amp_scaling", False))
+
+
+def step_unless(optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, except that where ``found_inf`` (a 0-d float tensor on the device) is
+    non-zero the fused kernel leaves weights, moments and step counts untouched.
+
+    Why: the decision stays on the device, so the step can be queued before the host has read
+    whether it was finite (see ``Trainer.train_step``). Requires :func:`skips_on_device`.
+    """
+    inner = optimizer.optim if is_zero(optimizer) else optimizer
+    inner.found_inf = found_inf
+    try:
+        optimizer.step()
+    finally:
+        del inner.found_inf
+
+
 def lr_lambda(cfg: SchedulerConfig, total_steps: int) -> Callable[[int], float]:
     """The LR multiplier (of ``optim.lr``) for the optimizer step with index ``step`` (0-based).
 
