@@ -289,7 +289,8 @@ def _inf_worker(rank, world, out, variant):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16+zero", "fp32+fused", "fp32+fused+zero", "bf16+fused+masters"])
+@pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16+zero", "fp32+fused", "fp32+fused+zero", "bf16+fused+masters",
+                                     "bf16+fused+masters+zero"])
 def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, variant):
     """GradScaler unscale/skip logic holds with plain and ZeRO-sharded optimizers; with a fused
     Adam (fp32/bf16) the skip is decided on the device (found_inf), with the same outcome: no
