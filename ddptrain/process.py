@@ -8,7 +8,9 @@ per-step all-reduce.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import multiprocessing
 import os
 import signal
 import threading
@@ -83,6 +85,49 @@ def prepare_loader_workers(loader: Any, names: list[str]) -> None:
         return
     if not isinstance(loader.worker_init_fn, _WorkerInit):
         loader.worker_init_fn = _WorkerInit(names, loader.worker_init_fn)
+    if names:
+        _kill_workers_at_exit()
+
+
+_exit_hook_registered = False
+
+
+def _kill_workers_at_exit() -> None:
+    """Register (once) an exit hook that kills DataLoader workers still alive when Python exits.
+
+    Why: at exit, multiprocessing ends its daemonic children with SIGTERM and then waits for
+    them, and ours ignore SIGTERM. Normally none is left by then (freeing the DataLoader iterator
+    shuts its workers down), but an exception that leaves ``fit()`` keeps the iterator alive in
+    its traceback until after the exit hooks: the process printed its error and then waited
+    forever (a corrupt audio file met by a worker). Exit hooks run last-registered first, so
+    this one runs before multiprocessing's.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_kill_loader_workers)
+        _exit_hook_registered = True
+
+
+def _kill_loader_workers() -> None:
+    """Kill the daemonic children that ignore SIGTERM: the ones multiprocessing could not end."""
+    stuck = [p for p in multiprocessing.active_children() if p.daemon and _ignores_sigterm(p.pid)]
+    if stuck:
+        # DataLoader's SIGCHLD handler would report each killed worker as a crash of its own
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for p in stuck:
+            p.kill()
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """From /proc (Linux); elsewhere False, and such a process may still hang at exit."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 class _WorkerInit:

@@ -8,6 +8,7 @@ deterministic CPU fp32 training must come out bit-identical after any recovery.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,11 +33,34 @@ def torchrun(out_dir, fault="none", *overrides, restarts=0, nnodes=1, nproc=2, t
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def kill_tree(pid):
+    """SIGKILL ``pid`` and all its descendants (torchrun starts each rank in a session of its
+    own, so a process-group kill misses them, and they hold the output pipe open)."""
+    children = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def finish(proc, timeout=120):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"job hung (> {timeout}s):\n{out[-3000:]}")
     return proc.returncode, out
@@ -96,6 +120,18 @@ def test_exception_on_one_rank_ends_the_job_promptly(tmp_path):
     assert rc != 0
     assert "rank 1, step 5" in log and "injected failure" in log and "utterances: utt" in log
     assert elapsed < 60, f"took {elapsed:.0f}s: the healthy rank waited in a collective"
+
+
+@pytest.mark.timeout(120)
+def test_data_error_in_a_worker_ends_the_job_promptly(tmp_path):
+    """A corrupt item raised in a DataLoader worker ends every process: the failing one must not
+    hang at exit on its workers (they ignore SIGTERM, which multiprocessing uses at exit)."""
+    start = time.monotonic()
+    rc, log = finish(torchrun(tmp_path, "baddata:1:3", "dist.timeout_s=600"), timeout=100)
+    elapsed = time.monotonic() - start
+    assert rc != 0
+    assert "injected corrupt item" in log
+    assert elapsed < 60, f"took {elapsed:.0f}s: a process hung after the error"
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,8 @@ FAULT is ``none`` or ``KIND:RANK:STEP`` with KIND one of
   sigkill  - the rank SIGKILLs itself before that step (a crash; torchrun may restart the job)
   raise    - the rank raises inside its loss function at that step (a bug / bad batch)
   killsave - the rank SIGKILLs itself in the middle of writing the checkpoint of that step
+  baddata  - the rank's DataLoader worker raises in __getitem__ (a corrupt file) once it has
+             served about STEP batches (workers read ahead, so a step or two earlier)
 A fault fires once per OUT_DIR (a marker file remembers it), so a restarted job runs clean. On
 success rank 0 writes OUT_DIR/final.pt with the parameters.
 """
@@ -43,10 +45,16 @@ def fire() -> None:
 
 
 class Frames(Dataset):
+    served = 0  # items this (worker) process has produced
+
     def __len__(self):
         return 40
 
     def __getitem__(self, i):
+        Frames.served += 1
+        if kind == "baddata" and Frames.served > 4 * fault_step and should_fire(fault_step):
+            fire()
+            raise ValueError(f"injected corrupt item {i}")
         g = torch.Generator().manual_seed(i)
         x = torch.randn(3 + i % 5, 4, generator=g)
         return {"x": x, "y": x.sum(-1), "id": f"utt{i:03d}"}
