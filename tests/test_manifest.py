@@ -88,3 +88,17 @@ def test_duplicate_ids_and_missing_manifest(tmp_path):
         load_manifest(m)
     with pytest.raises(DataError, match="manifest not found"):
         load_manifest(tmp_path / "nope.jsonl")
+
+
+def test_unicode_line_separators_inside_text_and_a_bom(tmp_path):
+    """U+2028/U+2029/U+0085 are legal raw inside JSON strings: the line stays one line and the
+    line numbers after it stay right; a UTF-8 BOM and CRLF line ends are accepted."""
+    good = {"audio_filepath": "a.wav", "duration": 1, "text": "ok"}
+    odd = {"audio_filepath": "b.wav", "duration": 1, "text": "one\u2028two\u2029three\x85four"}
+    m = tmp_path / "m.jsonl"
+    body = "\r\n".join([json.dumps(good), json.dumps(odd, ensure_ascii=False), "not json", json.dumps(good)])
+    m.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    entries, problems = parse_manifest(str(m))
+    assert [e.line for e in entries] == [1, 2, 4]
+    assert entries[1].text == odd["text"]
+    assert [p.line for p in problems] == [3]

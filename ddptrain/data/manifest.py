@@ -67,8 +67,12 @@ def parse_manifest(path: Union[str, os.PathLike]) -> tuple[list[ManifestEntry], 
     entries: list[ManifestEntry] = []
     problems: list[Problem] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        # split on "\n" only: str.splitlines() also splits on U+2028, U+2029 and U+0085, which
+        # JSON allows raw inside strings (json.dumps(..., ensure_ascii=False) writes them), and
+        # would cut a good line in two and shift every later line number. utf-8-sig: a BOM
+        # (Windows editors) is dropped, not reported as invalid JSON on line 1.
+        with open(path, encoding="utf-8-sig") as f:
+            lines = f.read().split("\n")
     except FileNotFoundError:
         raise DataError(f"manifest not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
