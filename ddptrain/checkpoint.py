@@ -333,8 +333,12 @@ def load_checkpoint(path: str, world_size: int, rank: int) -> dict:
     if not os.path.isfile(os.path.join(path, COMPLETE)):
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): it was "
                               "interrupted while being written; use an earlier one")
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        meta["world_size"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: meta.json: {type(e).__name__}: {e}") from e
     if meta["world_size"] != world_size:
         raise CheckpointError(
             f"checkpoint {path} was written by {meta['world_size']} processes, this run has "

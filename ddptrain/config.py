@@ -151,6 +151,21 @@ _CHOICES = {
 }
 
 
+# Keys whose values below these bounds would fail later without naming the key (a division by
+# zero, a collective that times out at once, a DataLoader error).
+_MINIMUM = {
+    "trainer.grad_accum_steps": 1,
+    "trainer.max_steps": 0,
+    "trainer.max_nonfinite_steps": 1,
+    "trainer.gc_every_steps": 0,
+    "logging.log_every": 1,
+    "dist.timeout_s": 1,
+    "checkpoint.keep_last": 0,
+    "checkpoint.keep_best": 0,
+    "data.num_workers": 0,
+}
+
+
 def load_config(
     path: Optional[str] = None,
     overrides: Sequence[str] = (),
@@ -178,15 +193,22 @@ def load_config(
             file_cfg = OmegaConf.load(path)
         except Exception as e:  # yaml syntax errors carry their own line numbers
             raise ConfigError(f"{path}: cannot parse YAML: {e}") from e
+        if not isinstance(file_cfg, DictConfig):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (trainer:, data:, ...), "
+                              f"not a {type(file_cfg).__name__}")
         cfg = _merge(cfg, file_cfg, origin=path)
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), origin=f"override {item!r}")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), origin=f"override {item!r}", key=item.split("=", 1)[0])
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and str(value).lower() not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key, least in _MINIMUM.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < least:
+            raise ConfigError(f"{key}={value!r} must be >= {least}")
     if str(OmegaConf.select(cfg, "trainer.param_dtype")).lower() == "bf16" \
             and str(OmegaConf.select(cfg, "trainer.precision")).lower() != "bf16":
         raise ConfigError("trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters "
@@ -194,15 +216,18 @@ def load_config(
     return OmegaConf.to_object(cfg)
 
 
-def _merge(base: DictConfig, other: DictConfig, origin: str) -> DictConfig:
+def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> DictConfig:
+    """``OmegaConf.merge`` whose errors name the key and where it came from (``key``: the
+    override's own key, for errors that carry none, e.g. a value given for a whole section)."""
     try:
         return OmegaConf.merge(base, other)
     except (ConfigKeyError, ConfigAttributeError) as e:
-        key = e.full_key or getattr(e, "key", "?")
+        key = e.full_key or getattr(e, "key", None) or key
         raise ConfigError(f"{origin}: unknown config key '{key}' (check the spelling against "
                           f"the dataclasses in ddptrain/config.py)") from None
     except ValidationError as e:
-        raise ConfigError(f"{origin}: bad value for '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
+        why = str(e.msg).splitlines()[0] if e.msg else "a section takes keys below it (section.key=value), not a value"
+        raise ConfigError(f"{origin}: bad value for '{e.full_key or key}': {why}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {e}") from None
 

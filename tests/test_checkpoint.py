@@ -68,6 +68,17 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
         ckpt.load_checkpoint(str(tmp_path / "step_00000001"), 1, 0)
 
 
+@pytest.mark.parametrize("meta", [None, '{"world_size": ', '{"step": 3}'])
+def test_missing_or_damaged_meta_is_named(tmp_path, meta):
+    step = tmp_path / "step_00000001"
+    step.mkdir()
+    (step / ckpt.COMPLETE).write_text("")
+    if meta is not None:
+        (step / "meta.json").write_text(meta)
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot read checkpoint .*step_00000001: meta.json"):
+        ckpt.load_checkpoint(str(step), 1, 0)
+
+
 def test_prune_keeps_best_and_newest(tmp_path):
     cfg = make_cfg(tmp_path, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=1",
                    "checkpoint.keep_best=1", "trainer.eval_every=1", "checkpoint.best_metric=loss")

@@ -30,6 +30,10 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     ("trainer.precision=fp8", "trainer.precision='fp8' is not one of"),
     ("optim.lr", "not of the form key=value"),
     ("nosuchsection.x=1", "unknown config key 'nosuchsection"),
+    ("data=5", "override 'data=5': bad value for 'data': a section takes keys"),
+    ("trainer.grad_accum_steps=0", r"trainer.grad_accum_steps=0 must be >= 1"),
+    ("logging.log_every=0", r"logging.log_every=0 must be >= 1"),
+    ("dist.timeout_s=0", r"dist.timeout_s=0.0 must be >= 1"),
 ])
 def test_bad_overrides(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -43,6 +47,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("optim: [unclosed\n")
     with pytest.raises(ConfigError, match="bad.yaml"):
         load_config(str(bad))
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- trainer\n- optim\n")
+    with pytest.raises(ConfigError, match="list.yaml: the top level must be a mapping"):
+        load_config(str(listed))
 
 
 def test_user_schema_extension():
