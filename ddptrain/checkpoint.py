@@ -292,8 +292,12 @@ def save_checkpoint(
             save_weights(model, os.path.join(tmp, "model.safetensors"))
             _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
     except Exception as e:  # disk full, permissions, ...: agree on failure below
-        error = e
-    failed = dist.all_gather_object(repr(error) if error is not None else None)
+        error = repr(e)
+        try:  # torch.save reports a full disk as "unexpected pos ...": say how much space was left
+            error += f", {shutil.disk_usage(tmp).free / 2**20:.0f} MiB free on that disk"
+        except OSError:
+            pass
+    failed = dist.all_gather_object(error)
     if any(failed):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
