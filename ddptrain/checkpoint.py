@@ -340,7 +340,7 @@ def load_checkpoint(path: str, world_size: int, rank: int) -> dict:
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
-        meta["world_size"]
+        meta["world_size"]  # a damaged meta.json fails here, where the error can name the file
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: meta.json: {type(e).__name__}: {e}") from e
     if meta["world_size"] != world_size:

@@ -80,6 +80,9 @@ def prepare_loader_workers(loader: Any, names: list[str]) -> None:
     GC: workers are forked while ``fit()`` has the automatic collector off (``StepPacedGC``) and
     would inherit that; nothing paces their collections, so their reference cycles would pile up
     for the whole epoch. Each worker turns it back on.
+
+    Exit: workers that ignore SIGTERM cannot be ended by multiprocessing at interpreter exit; an
+    exit hook kills any still alive (see :func:`_kill_workers_at_exit`).
     """
     if not hasattr(loader, "worker_init_fn") or getattr(loader, "num_workers", 0) == 0:
         return
