@@ -152,12 +152,12 @@ _CHOICES = {
 
 
 # Keys whose values below these bounds would fail later without naming the key (a division by
-# zero, a collective that times out at once, a DataLoader error).
+# zero, a collective that times out at once, a DataLoader error). trainer.gc_every_steps is
+# checked where it is used (StepPacedGC), which names it too.
 _MINIMUM = {
     "trainer.grad_accum_steps": 1,
     "trainer.max_steps": 0,
     "trainer.max_nonfinite_steps": 1,
-    "trainer.gc_every_steps": 0,
     "logging.log_every": 1,
     "dist.timeout_s": 1,
     "checkpoint.keep_last": 0,

@@ -254,7 +254,7 @@ class Trainer:
         flags = torch.stack([loss_acc, units_acc, stop, raw_norm.to(self.device)])
         if self.info.distributed:
             torch.distributed.all_reduce(flags)
-        loss_t, units_t, _, norm_sum = flags.unbind()
+        loss_t, units_t, stop_t, norm_sum = flags.unbind()
 
         # DDP averaged the per-rank gradients of (unit_scale * loss_sum); the true gradient of the
         # step is sum_over_ranks(grad of loss_sum) / global_units. On the device, so that a fused
@@ -265,7 +265,7 @@ class Trainer:
         clip = self.cfg.trainer.clip_grad_norm
         if clip > 0:
             factor = factor * torch.where(norm_t > clip, clip / (norm_t + 1e-6), 1.0)
-        report = torch.stack([loss_t, units_t, flags[2], norm_t, finite_t.double(), factor])
+        report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), factor])
         if self.skip_on_device:
             # Why: deciding on the host means reading the report before the optimizer step, and
             # the GPU then idles while the host launches it (Conformer 110M on an H200: 91-95% of
