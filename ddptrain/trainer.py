@@ -398,6 +398,8 @@ class Trainer:
             sampler.set_epoch(self.epoch)  # a resumed stateful sampler starts at its saved position
         elif sampler is None and hasattr(plain, "set_epoch"):
             plain.set_epoch(self.epoch)
+        if hasattr(getattr(self.train_data, "dataset", None), "set_epoch"):
+            self.train_data.dataset.set_epoch(self.epoch)  # augmentation draws from (seed, epoch, index)
         self.batches_per_epoch = len(self.train_data)
         with torch.random.fork_rng(devices=[]):
             it = iter(self.train_data)
