@@ -29,8 +29,8 @@ data wait, and optionally (``profile``) a torch.profiler breakdown of a few step
 share, kernel-time categories, top kernels, and the host syncs of one step (``syncs``).
 
 Other experiment keys: ``replay: K`` times every peer on a second pass over the same K batches
-(steady state: cuDNN plans for every shape already built, see ``ReplayLoader``); ``deferred: 1``
-uses the ``DeferredSyncTrainer`` prototype; ``sdpa: no_cudnn`` turns cuDNN attention off;
+(steady state: cuDNN plans for every shape already built, see ``ReplayLoader``); ``sdpa: no_cudnn``
+turns cuDNN attention off;
 ``workers``, ``budget`` (wav2vec2 padded seconds per batch), ``batch``, ``hf_group``, ``ov``
 (ddptrain config overrides); ``nocomm: 1`` (diagnostic, ddptrain on >1 GPU) gives DDP a comm hook
 that skips the all-reduce, so the step keeps DDP's bucketing and graph splits but not NCCL —
@@ -426,94 +426,6 @@ class ReplayLoader:
                 yield b
 
 
-class DeferredSyncTrainer(ddptrain.Trainer):
-    """Prototype: ddptrain's train_step without the end-of-step host sync.
-
-    The step's decisions are made on the device: the global unit count and clip coefficient
-    scale the gradients as a tensor, a non-finite step is skipped by fused AdamW's ``found_inf``
-    (what GradScaler uses), and the flags are copied to pinned host memory with an event. The
-    host reads step n's flags while step n+1 is already queued (to advance the LR schedule,
-    count skipped steps, log and see a preemption), so Python work of the next forward overlaps
-    the GPU's backward instead of waiting for it. Returns the *previous* step's numbers.
-    bf16/fp32 with fused Adam(W) only (else falls back to the synchronous step).
-    """
-
-    _pending = None
-
-    def _inner_opt(self):
-        return getattr(self.optimizer, "optim", self.optimizer)
-
-    def _deferred_ok(self) -> bool:
-        g = self._inner_opt().param_groups[0]
-        return self.precision.mode != "fp16" and bool(g.get("fused"))
-
-    def _collect(self) -> dict:
-        prev, self._pending = self._pending, None
-        if prev is None:
-            return {"loss_sum": 0.0, "units": 0.0, "grad_norm": 0.0, "stepped": True, "preempt": False}
-        event, host, scale, n_micro = prev
-        if event is not None:
-            event.synchronize()  # waits for the previous step only
-        loss_sum, units, preempt, norm, finite = host.tolist()
-        stepped = bool(finite)
-        if stepped:
-            self.scheduler.step()  # before the next optimizer step reads the LR
-        else:
-            self.skipped_steps += 1
-        if units > 0:
-            self.unit_scale = self.info.world_size * n_micro / units
-        return {"loss_sum": loss_sum, "units": units, "grad_norm": norm, "stepped": stepped, "preempt": preempt > 0}
-
-    def train_step(self, micro_batches: list) -> dict:
-        if not self._deferred_ok():
-            return super().train_step(micro_batches)
-        import contextlib
-
-        self.model.train()
-        dev = self.device
-        loss_acc = torch.zeros((), dtype=torch.float64, device=dev)
-        units_acc = torch.zeros((), dtype=torch.float64, device=dev)
-        scale = self.unit_scale
-        for i, batch in enumerate(micro_batches):
-            batch = ddptrain.trainer._to_device(batch, dev)
-            sync_grads = i == len(micro_batches) - 1 or not self.info.distributed
-            with (contextlib.nullcontext() if sync_grads else self.model.no_sync()):
-                with self.precision.autocast():
-                    loss_sum, units = self.loss_fn(self.model, batch)
-                (loss_sum.float() * scale).backward()
-            loss_acc += loss_sum.detach().double()
-            units_acc += units.detach().double() if isinstance(units, torch.Tensor) else float(units)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True).double()
-        stop = torch.full((), float(self._stop_requested), dtype=torch.float64, device=dev)
-        flags = torch.stack([loss_acc, units_acc, stop, norm])
-        if self.info.distributed:
-            torch.distributed.all_reduce(flags)
-        ws = self.info.world_size
-        factor = ws / (flags[1].clamp_min(1e-12) * scale)
-        gnorm = flags[3] / ws * factor
-        finite = torch.isfinite(gnorm) & torch.isfinite(flags[0]) & (flags[1] > 0)
-        clip = self.cfg.trainer.clip_grad_norm
-        if clip > 0:
-            factor = torch.where(gnorm > clip, factor * (clip / (gnorm + 1e-6)), factor)
-        factor = torch.where(finite, factor, torch.zeros_like(factor))
-        torch._foreach_mul_(grads, factor.float())
-        cuda = dev.type == "cuda"
-        host = torch.empty(5, dtype=torch.float64, pin_memory=cuda)
-        host.copy_(torch.stack([flags[0], flags[1], flags[2], gnorm, finite.double()]), non_blocking=cuda)
-        event = torch.cuda.Event() if cuda else None
-        if cuda:
-            event.record()
-        out = self._collect()  # the previous step: long finished, so this does not wait on this one
-        opt = self._inner_opt()
-        opt.found_inf = (~finite).float()
-        self.optimizer.step()
-        opt.found_inf = None
-        self.optimizer.zero_grad(set_to_none=True)
-        self._pending = (event, host, scale, len(micro_batches))
-        return out
-
-
 def summarize(exp, workload, ws, elapsed, stats, waits_s, step_times, mem, extra) -> dict:
     tot = {k: sum(float(s.get(k, 0)) for s in stats) for k in ("n", "audio_s", "padded_s", "tokens", "flops")}
     keys = ["n", "audio_s", "padded_s", "tokens", "flops"]
@@ -525,7 +437,7 @@ def summarize(exp, workload, ws, elapsed, stats, waits_s, step_times, mem, extra
     rec = {
         "workload": workload, "name": exp["name"], "peer": exp["peer"], "world_size": ws,
         "batch": exp.get("batch"), "budget": exp.get("budget"), "ov": exp.get("ov", []),
-        "deferred": bool(exp.get("deferred")), "replay": exp.get("replay"), "sdpa": exp.get("sdpa", "default"),
+        "replay": exp.get("replay"), "sdpa": exp.get("sdpa", "default"),
         "steps": len(stats), "elapsed_s": round(elapsed, 3),
         "samples_per_s": g["n"] / elapsed, "audio_s_per_s": g["audio_s"] / elapsed,
         "padded_s_per_s": g["padded_s"] / elapsed, "tokens_per_s": g["tokens"] / elapsed,
@@ -734,8 +646,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     loader = ReplayLoader(raw, exp["replay"]) if exp.get("replay") else TimedLoader(raw)
     timed = TimedLoss(loss_fn)
     mem_reset()
-    cls = DeferredSyncTrainer if exp.get("deferred") else ddptrain.Trainer
-    trainer = cls(model, timed, cfg, loader)
+    trainer = ddptrain.Trainer(model, timed, cfg, loader)
     if exp.get("nocomm") and ws > 1:
         ddp = getattr(trainer.model, "_orig_mod", trainer.model)  # under a whole-model compile
         ddp.register_comm_hook(state=None, hook=_no_allreduce)
@@ -962,9 +873,30 @@ class _HFCollate:
 
 
 PEERS = {"ddptrain": run_ddptrain, "bare": run_bare, "hf": run_hf}
+# Every key an experiment may set: a key nothing reads (a removed option, a typo) is refused up
+# front instead of being ignored, so a stale plan fails before it costs device time.
+EXPERIMENT_KEYS = {"name", "peer", "batch", "budget", "ov", "workers", "replay", "warmup", "steps", "sdpa",
+                   "attn", "hf_group", "as_world", "same_data", "nocomm", "ddp1", "item_every", "bucket_view",
+                   "profile", "profile_steps", "syncs", "gaps"}
 
 
-def main(argv=None) -> None:
+def check_experiments(exps: list) -> None:
+    """Raises:
+        ValueError: naming the experiment and key, for an unknown key or peer or a missing name.
+    """
+    for i, e in enumerate(exps):
+        label = e.get("name", f"experiment {i}")
+        if "name" not in e or "peer" not in e:
+            raise ValueError(f"{label}: every experiment needs 'name' and 'peer'")
+        if e["peer"] not in PEERS:
+            raise ValueError(f"{label}: unknown peer {e['peer']!r} (known: {sorted(PEERS)})")
+        unknown = sorted(set(e) - EXPERIMENT_KEYS)
+        if unknown:
+            raise ValueError(f"{label}: unknown experiment key(s) {unknown} (known: {sorted(EXPERIMENT_KEYS)})")
+
+
+def main(argv=None) -> int:
+    """Runs the experiments; returns 1 when any of them failed (its row then holds the error)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", required=True, choices=["wav2vec2", "whisper", "conformer"])
     p.add_argument("--exps", required=True, help="JSON list of experiments, or @file.json")
@@ -976,14 +908,20 @@ def main(argv=None) -> None:
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     exps = json.load(open(a.exps[1:])) if a.exps.startswith("@") else json.loads(a.exps)
+    check_experiments(exps)
+    failed = 0
     rank, ws, local = world()
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    import transformers
+    try:  # only the wav2vec2 / Whisper workloads and the HF peer need it
+        import transformers
 
-    meta = {"torch": torch.__version__, "ddptrain_from": os.path.relpath(os.path.dirname(ddptrain.__file__)), "transformers": transformers.__version__, "tag": a.tag,
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    meta = {"torch": torch.__version__, "ddptrain_from": os.path.relpath(os.path.dirname(ddptrain.__file__)), "transformers": tf_version, "tag": a.tag,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": time.strftime("%Y-%m-%d")}
     for exp in exps:
@@ -1002,6 +940,7 @@ def main(argv=None) -> None:
                    "error": f"{type(e).__name__}: {str(e)[:2000]}", **meta}
             if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
                 rec["oom"] = True
+            failed += 1
         gc.collect()
         torch._dynamo.reset()  # every experiment compiles from scratch, no recompile limit carried over
         if torch.cuda.is_available():
@@ -1025,7 +964,8 @@ def main(argv=None) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -101,26 +101,27 @@ PLANS = {
         ],
     ],
     # call 2: steady state (replay: every peer times its second pass over the same batches),
-    # the deferred-sync step prototype, recompute at a batch that fits without it, best settings
+    # recompute at a batch that fits without it, best settings (its "_def" experiments ran the
+    # deferred-sync prototype, since removed: they now run the plain Trainer)
     "call2": [
         [
             ("wh1", "0", "whisper", [
                 E("ddp_b8", "ddptrain", batch=8),
-                E("ddp_b8_def", "ddptrain", batch=8, deferred=1, profile=1),
+                E("ddp_b8_def", "ddptrain", batch=8, profile=1),
                 E("bare_b8", "bare", batch=8, profile=1),
                 E("hf_b8", "hf", batch=8),
-                E("best_b32_rc2_def", "ddptrain", batch=32, deferred=1, profile=1, ov=WR + ["recompute.every_k=2"]),
+                E("best_b32_rc2_def", "ddptrain", batch=32, profile=1, ov=WR + ["recompute.every_k=2"]),
             ], 130, 9, 8, {"replay": 8}),
             ("w2v1", "1", "wav2vec2", [
                 E("ddp_400", "ddptrain", budget=400),
-                E("ddp_400_def", "ddptrain", budget=400, deferred=1, profile=1),
+                E("ddp_400_def", "ddptrain", budget=400, profile=1),
                 E("bare_400", "bare", budget=400),
                 E("hf_gbl_b48", "hf", batch=48, hf_group=1),
             ], 70, 9, 8, {"replay": 8}),
             ("wh1b", "1", "whisper", [
-                E("ddp_b16_rc0_def", "ddptrain", batch=16, deferred=1),
-                E("ddp_b16_rc1_def", "ddptrain", batch=16, deferred=1, ov=WR + ["recompute.every_k=1"]),
-                E("ddp_b16_rc2_def", "ddptrain", batch=16, deferred=1, ov=WR + ["recompute.every_k=2"]),
+                E("ddp_b16_rc0_def", "ddptrain", batch=16),
+                E("ddp_b16_rc1_def", "ddptrain", batch=16, ov=WR + ["recompute.every_k=1"]),
+                E("ddp_b16_rc2_def", "ddptrain", batch=16, ov=WR + ["recompute.every_k=2"]),
             ], 75, 9, 8, {"replay": 8}),
         ],
         [
@@ -128,9 +129,9 @@ PLANS = {
                 E("ddp_b8", "ddptrain", batch=8),
                 E("bare_b8", "bare", batch=8),
                 E("hf_b8", "hf", batch=8),
-                E("best_b32_rc2_def_hook", "ddptrain", batch=32, deferred=1, profile=1,
+                E("best_b32_rc2_def_hook", "ddptrain", batch=32, profile=1,
                   ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16"]),
-                E("best_zero", "ddptrain", batch=32, deferred=1,
+                E("best_zero", "ddptrain", batch=32,
                   ov=WR + ["recompute.every_k=2", "dist.comm_hook=bf16", "optim.zero=true"]),
             ], 125, 7, 6, {"replay": 6}),
         ],
@@ -139,7 +140,7 @@ PLANS = {
                 E("ddp_400", "ddptrain", budget=400),
                 E("bare_400", "bare", budget=400),
                 E("hf_gbl_b48", "hf", batch=48, hf_group=1),
-                E("best_400_def_hook", "ddptrain", budget=400, deferred=1, profile=1, ov=["dist.comm_hook=bf16"]),
+                E("best_400_def_hook", "ddptrain", budget=400, profile=1, ov=["dist.comm_hook=bf16"]),
             ], 70, 9, 8, {"replay": 8}),
         ],
     ],
@@ -608,7 +609,6 @@ def job_cmd(label, gpus, workload, exps, out_dir, dry, warmup, steps, port):
         small = {"batch": 2} if workload == "whisper" else {"budget": 40, "batch": 4}
         exps = [dict(e, workers=1, profile_steps=1, **small) for e in exps]
         exps = [dict(e, replay=2) if e.get("replay") else e for e in exps]
-        exps = [dict(e, ov=e.get("ov", []) + ["optim.fused=true"]) if e.get("deferred") else e for e in exps]
         # inductor's CPU (C++) code generation fails on some bf16 graphs here: trace only
         exps = [dict(e, ov=e["ov"] + ["compile.backend=aot_eager"]) if "compile.enabled=true" in e.get("ov", [])
                 else e for e in exps]
