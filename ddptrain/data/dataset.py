@@ -152,5 +152,6 @@ class SpeechDataset(Dataset):
         n = int(f["feature_lens"][0])
         if n == 0:
             raise DataError(f"{self.paths[i]}: audio of {wave.numel()} samples is shorter than one feature frame")
-        out["features"] = f["features"][0, :n]
+        # Whisper's padded frames are model input (the silence it was trained on): keep the window
+        out["features"] = f["features"][0] if self.extractor.kind == "whisper_logmel" else f["features"][0, :n]
         return out

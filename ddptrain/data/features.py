@@ -1,4 +1,4 @@
-"""Acoustic features: Kaldi-compatible fbank and plain log-mel, normalisation, SpecAugment.
+"""Acoustic features: Kaldi-compatible fbank, plain and Whisper log-mel, normalisation, SpecAugment.
 
 One module, :class:`BatchFeatureExtractor`, computes features for a *padded batch* of
 waveforms. The DataLoader workers call it with a batch of one (``feature_device: worker``); with
@@ -38,7 +38,8 @@ from torch import Tensor, nn
 
 from ddptrain.data.config import DataConfig
 
-FEATURE_KINDS = ("fbank", "logmel")
+FEATURE_KINDS = ("fbank", "logmel", "whisper_logmel")
+WHISPER_WINDOW_S = 30  # Whisper encoders take 30 s windows: 3000 frames of 10 ms
 _INT16_SCALE = 32768.0
 _EPS = torch.finfo(torch.float32).eps
 
@@ -53,6 +54,21 @@ class BatchFeatureExtractor(nn.Module):
     Call with ``audio`` (B, S) float and ``audio_lens`` (B,) int on any device; returns a dict
     with ``features`` (B, T, F) float32, ``feature_lens`` (B,) int64 and ``padding_mask``
     (B, T) bool (True = padding), T rounded up to ``cfg.pad_to_multiple``.
+
+    ``whisper_logmel`` reproduces ``transformers.WhisperFeatureExtractor`` (``feature_size`` =
+    ``num_mel_bins``, 128 for large-v3 and GLM-ASR, 80 before): each utterance is zero-padded to a
+    30 s window, framed centred (reflect padding, 25 ms Hann window, 10 ms hop), slaney mel
+    filters to 8 kHz, ``log10``, floored at the utterance's maximum - 8, then ``(x + 4) / 4``.
+    Its padded frames are model input (the log-mel of silence the model was trained on), so
+    they are not zeroed, and ``data.normalize`` must be ``none``. T is always 3000; the frames
+    of the real audio (``feature_lens``) are ``ceil(samples / hop)``, as in the Hugging Face
+    attention mask. The first T' frames of a window are the same whatever is cut after them,
+    so a model may be given ``features[:, :T']`` to skip trailing silence. Audio longer than
+    the window is an error: split it into 30 s chunks first.
+
+    Raises:
+        ValueError: an unknown feature kind or normalisation, frames too short for the sample
+            rate, or ``whisper_logmel`` with a normalisation other than ``none``.
     """
 
     def __init__(self, cfg: DataConfig):
@@ -72,7 +88,18 @@ class BatchFeatureExtractor(nn.Module):
         self.spec_augment = cfg.spec_augment
         self.freq_masks, self.freq_mask_width = cfg.freq_masks, cfg.freq_mask_width
         self.time_masks, self.time_mask_ratio = cfg.time_masks, cfg.time_mask_ratio
-        if self.kind == "fbank":
+        if self.kind == "whisper_logmel":
+            if cfg.normalize != "none":
+                raise ValueError(f"data.features=whisper_logmel has Whisper's own fixed scaling: set "
+                                 f"data.normalize=none (got {cfg.normalize!r})")
+            self.n_fft = self.win
+            self.window_samples = WHISPER_WINDOW_S * cfg.sample_rate
+            banks = torchaudio.functional.melscale_fbanks(
+                self.n_fft // 2 + 1, 0.0, min(8000.0, cfg.sample_rate / 2), cfg.num_mel_bins, cfg.sample_rate,
+                norm="slaney", mel_scale="slaney")
+            self.register_buffer("mel_banks", banks.T.float().contiguous(), persistent=False)  # (F, n_fft//2+1)
+            self.register_buffer("window", torch.hann_window(self.win), persistent=False)
+        elif self.kind == "fbank":
             n_fft = 1 << (self.win - 1).bit_length()  # Kaldi's round_to_power_of_two
             self.n_fft = n_fft
             banks, _ = torchaudio.compliance.kaldi.get_mel_banks(
@@ -96,10 +123,14 @@ class BatchFeatureExtractor(nn.Module):
     def num_frames(self, num_samples: Tensor) -> Tensor:
         """Frames of an utterance of ``num_samples`` (snip-edges framing; 0 if too short)."""
         n = torch.as_tensor(num_samples)
+        if self.kind == "whisper_logmel":  # centred frames: one per started hop
+            return torch.div(n + self.hop - 1, self.hop, rounding_mode="floor")
         return torch.where(n >= self.win, 1 + torch.div(n - self.win, self.hop, rounding_mode="floor"),
                            torch.zeros_like(n))
 
     def forward(self, audio: Tensor, audio_lens: Tensor) -> dict[str, Tensor]:
+        if self.kind == "whisper_logmel":
+            return self._whisper(audio, audio_lens)
         audio = audio.float()
         lens = self.num_frames(audio_lens.to(audio.device).long())
         t_max = int(lens.max()) if lens.numel() else 0
@@ -130,6 +161,32 @@ class BatchFeatureExtractor(nn.Module):
         frames = (frames - 0.97 * prev) * self.window  # pre-emphasis, povey window
         spec = torch.fft.rfft(frames, n=self.n_fft).abs().pow(2)  # (B, M, n_fft//2+1)
         return (spec @ self.mel_banks).clamp_min(_EPS).log()
+
+    def _whisper(self, audio: Tensor, audio_lens: Tensor) -> dict[str, Tensor]:
+        n = self.window_samples
+        lens = audio_lens.to(audio.device).long()
+        if audio.shape[1] > n:  # only then a look at the lengths (a host sync) is needed
+            longest = int(lens.max())
+            if longest > n:
+                raise ValueError(f"whisper_logmel: an utterance of {longest / self.sample_rate:.2f}s is longer than "
+                                 f"the {WHISPER_WINDOW_S} s window; split it into {WHISPER_WINDOW_S} s chunks first")
+            audio = audio[:, :n]
+        audio = nn.functional.pad(audio.float(), (0, n - audio.shape[1]))
+        audio = audio * (torch.arange(n, device=audio.device)[None, :] < lens[:, None])  # silence after the end
+        # fp32 throughout: called inside a bf16 autocast region on the GPU path, the mel product
+        # would otherwise round the features the model was pretrained on
+        with torch.autocast(audio.device.type, enabled=False):
+            spec = torch.stft(audio, self.n_fft, self.hop, window=self.window, center=True, pad_mode="reflect",
+                              return_complex=True)[..., :-1].abs().pow(2)  # (B, n_fft//2+1, 3000)
+            logmel = (self.mel_banks @ spec).clamp_min(1e-10).log10()
+            logmel = torch.maximum(logmel, logmel.amax(dim=(1, 2), keepdim=True) - 8.0)
+            feats = ((logmel + 4.0) / 4.0).transpose(1, 2)
+        frames = self.num_frames(lens)
+        mask = torch.arange(feats.shape[1], device=audio.device)[None, :] >= frames[:, None]
+        if self.training and self.spec_augment:
+            feats = spec_augment(feats, frames, self.freq_masks, self.freq_mask_width,
+                                 self.time_masks, self.time_mask_ratio)
+        return {"features": feats.contiguous(), "feature_lens": frames, "padding_mask": mask}
 
     def _normalize(self, feats: Tensor, lens: Tensor, mask: Tensor) -> Tensor:
         if self.normalize == "none":

@@ -138,7 +138,7 @@ def build_dataloader(
 
 
 def _check_choices(cfg: DataConfig) -> None:
-    choices = {"features": ("fbank", "logmel", "raw"), "normalize": ("utterance", "global", "none"),
+    choices = {"features": ("fbank", "logmel", "whisper_logmel", "raw"), "normalize": ("utterance", "global", "none"),
                "feature_device": ("worker", "gpu"), "bad_data": ("error", "skip"),
                "tail": ("split", "duplicate", "drop", "exact")}
     for key, allowed in choices.items():
