@@ -12,6 +12,13 @@ What it yields: lists of dataset indices (it is a *batch* sampler: pass it to
 * ``epoch_stats()`` -> dict: padding fraction, batch-size statistics, duplicated/dropped counts
   of the current epoch's plan (the same on every rank), for logging.
 
+A second length per utterance (``tokens``, e.g. target tokens or a decoder's sequence length) is
+optional. With it, utterances are ordered by duration and then by tokens wherever the plan sorts
+them (buckets, pools), and ``max_tokens`` caps ``batch_size * most tokens in the bucket``: buckets
+on both lengths, one budget each. A speech-LLM on fixed 30 s windows passes durations rounded up
+to whole windows (all the same for short utterances), so its batches are grouped by decoder
+length instead.
+
 How a plan is made (all of it a pure function of ``(seed, epoch, durations, settings)``):
 
 1. Buckets (once): utterances sorted by duration are cut into ``num_buckets`` runs that each
@@ -94,6 +101,10 @@ class DurationBucketSampler(Sampler):
         quadratic_duration: if > 0, ``cost(d) = d + d**2 / quadratic_duration`` so batches of
             long utterances get smaller (self-attention memory/time grows with length squared).
             Lhotse's guidance applies: 15-40 for transformers.
+        tokens: optional second length per utterance (e.g. target tokens), indexed like
+            ``durations``: the sort key after duration (see the module docstring).
+        max_tokens: if > 0 (needs ``tokens``), also ``batch_size * most tokens <= max_tokens``
+            in every batch.
         num_buckets: duration buckets, each holding about equal total duration.
         sort_pool: within a bucket, sort shuffled utterances by duration in pools of this many
             batches before cutting batches; 0 = pack the shuffled bucket as it is.
@@ -118,6 +129,8 @@ class DurationBucketSampler(Sampler):
         max_batch_size: int = 0,
         quadratic_duration: float = 0.0,
         num_buckets: int = 30,
+        tokens: Optional[Sequence[float]] = None,
+        max_tokens: float = 0.0,
         sort_pool: int = 8,
         sync_buckets: bool = True,
         shuffle: bool = True,
@@ -146,6 +159,15 @@ class DurationBucketSampler(Sampler):
                              "or were all lines skipped as bad data?)")
         if not np.isfinite(d).all() or (d <= 0).any():
             raise ValueError(f"durations must be finite and > 0; bad indices: {np.flatnonzero(~(d > 0))[:10].tolist()}")
+        self.tokens = None
+        if tokens is not None:
+            t = np.asarray(tokens, dtype=np.float64)
+            if t.shape != d.shape or not np.isfinite(t).all() or (t < 0).any():
+                raise ValueError(f"tokens must be finite, >= 0 and one per utterance ({d.size}), got shape {t.shape}")
+            self.tokens = t
+        if max_tokens < 0 or (max_tokens > 0 and self.tokens is None):
+            raise ValueError(f"max_tokens={max_tokens} needs tokens (one count per utterance) and must be >= 0")
+        self.max_tokens = float(max_tokens)
         self.durations = d
         self.max_duration = float(max_duration)
         self.max_batch_size = int(max_batch_size)
@@ -165,9 +187,14 @@ class DurationBucketSampler(Sampler):
                 f"{too_long.size} utterance(s) do not fit in a batch of max_duration={self.max_duration}s on "
                 f"their own (indices {too_long[:10].tolist()}, durations {np.round(d[too_long[:10]], 2).tolist()}); "
                 f"raise max_duration or drop them (validate with bad_data=skip)")
+        if self.max_tokens > 0 and (self.tokens > self.max_tokens).any():
+            over = np.flatnonzero(self.tokens > self.max_tokens)
+            raise ValueError(f"{over.size} utterance(s) have more than max_tokens={self.max_tokens} tokens on their "
+                             f"own (indices {over[:10].tolist()}, tokens {self.tokens[over[:10]].tolist()})")
         self._buckets, self._bucket_batch_size = self._make_buckets()
         # identifies the data set in a checkpoint: a changed manifest cannot resume mid-epoch
-        self._fingerprint = hashlib.blake2b(np.round(d, 4).tobytes(), digest_size=8).hexdigest()
+        key = np.round(d, 4).tobytes() + (b"" if self.tokens is None else np.round(self.tokens, 4).tobytes())
+        self._fingerprint = hashlib.blake2b(key, digest_size=8).hexdigest()
 
         self.epoch = 0
         # reshards of the current epoch: (epoch, old world size, position at the reshard). The
@@ -185,7 +212,7 @@ class DurationBucketSampler(Sampler):
 
     def _make_buckets(self) -> tuple[list[np.ndarray], list[int]]:
         d = self.durations
-        order = np.argsort(d, kind="stable")
+        order = self._sorted(np.arange(d.size))
         cum = np.cumsum(d[order])
         # cut the sorted list where the running total crosses k/num_buckets of the total: equal
         # total duration per bucket means equal numbers of batches, so no bucket runs dry first
@@ -196,11 +223,20 @@ class DurationBucketSampler(Sampler):
         for a, b in zip(cuts[:-1], cuts[1:]):
             if b <= a:
                 continue
-            members = order[a:b]  # sorted by duration, ties by index: deterministic
+            members = order[a:b]  # sorted by duration (then tokens), ties by index: deterministic
             bs = self._batch_size_for(float(d[members[-1]]))
+            if self.max_tokens > 0:
+                bs = min(bs, max(1, int(self.max_tokens // max(float(self.tokens[members].max()), 1e-9))))
             buckets.append(members)
             sizes.append(bs)
         return buckets, sizes
+
+    def _sorted(self, idx: np.ndarray, pools: Optional[np.ndarray] = None) -> np.ndarray:
+        """``idx`` stably sorted by (pool,) duration (, tokens)."""
+        keys = [self.durations[idx]] + ([pools] if pools is not None else [])
+        if self.tokens is not None:
+            keys.insert(0, self.tokens[idx])
+        return idx[np.lexsort(keys)]
 
     def _batch_size_for(self, longest: float) -> int:
         c = float(self._cost(longest))
@@ -233,8 +269,7 @@ class DurationBucketSampler(Sampler):
             if self.shuffle:
                 idx = rng.permutation(members)
                 if self.sort_pool > 0:
-                    pool_id = np.arange(idx.size) // (self.sort_pool * bs)
-                    idx = idx[np.lexsort((self.durations[idx], pool_id))]
+                    idx = self._sorted(idx, np.arange(idx.size) // (self.sort_pool * bs))
             per_bucket.append(np.split(idx, range(bs, idx.size, bs)))
         if not self.shuffle or group <= 1:
             batches = [b for bucket in per_bucket for b in bucket]
@@ -328,6 +363,7 @@ class DurationBucketSampler(Sampler):
             "max_duration": self.max_duration,
             "max_batch_size": self.max_batch_size,
             "quadratic_duration": self.quadratic_duration,
+            "max_tokens": self.max_tokens,
             "num_buckets": self.num_buckets,
             "sort_pool": self.sort_pool,
             "sync_buckets": self.sync_buckets,
@@ -367,6 +403,7 @@ class DurationBucketSampler(Sampler):
             history = [(int(e), int(w), int(p)) for e, w, p in s.pop("reshard_history")]
             world_size, rank = int(s.pop("world_size")), int(s.pop("rank"))
             s.setdefault("sync_buckets", False)  # states saved before the option existed
+            s.setdefault("max_tokens", 0.0)
             saved = {k: s.pop(k) for k in self._settings()}
         except KeyError as e:
             raise ValueError(f"sampler state is missing key {e.args[0]!r}") from None
