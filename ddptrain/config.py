@@ -17,9 +17,11 @@ User scripts extend the schema by subclassing :class:`Config` and adding their o
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import signal
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -37,49 +39,49 @@ class TrainerConfig:
     max_epochs: int = 1  # passes over the training data (ignored when max_steps > 0)
     max_steps: int = 0  # optimizer steps to run; 0 = run max_epochs
     grad_accum_steps: int = 1  # micro-batches per optimizer step (per rank)
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
-    param_dtype: str = "fp32"  # fp32 | bf16: with precision bf16, a bf16 model + fp32 master weights in the optimizer (no weight casts, bf16 grads)
+    precision: str = "fp32"  # autocast dtype of the forward (fp16 also scales the loss: GradScaler)
+    param_dtype: str = "fp32"  # bf16: with precision bf16, a bf16 model + fp32 master weights in the optimizer (no weight casts, bf16 grads)
     clip_grad_norm: float = 0.0  # clip the global grad norm to this; 0 = no clipping (norm still logged)
     seed: int = 0  # model init / dropout seed; each rank adds its rank
     eval_every: int = 0  # evaluate every N optimizer steps; 0 = only at the end
     max_nonfinite_steps: int = 5  # abort after this many consecutive non-finite steps
-    device: str = "auto"  # auto (cuda:LOCAL_RANK if available else cpu) | cpu | cuda
+    device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu; cuda: cuda:LOCAL_RANK
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower; for bitwise tests)
     fp16_init_scale: float = 65536.0  # GradScaler initial loss scale
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
-    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these (SIGTERM, TERM and term all name SIGTERM)
     preempt_exit_code: int = 0  # exit code after a preemption save (0: torchrun does not restart)
     gc_every_steps: int = 50  # Python GC: collect young objects every N steps on all ranks, full at epoch ends/evals/saves, automatic GC off during fit; 0 = Python's automatic GC
 
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     timeout_s: float = 600.0  # collective timeout: a dead peer becomes an error after this long
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     gradient_as_bucket_view: bool = True  # grads alias DDP buckets: saves one copy of the grads
     find_unused_parameters: bool = False  # set True for partly frozen / branchy models (slower)
     broadcast_buffers: bool = True  # sync buffers (e.g. BatchNorm stats) from rank 0 every forward
-    comm_hook: str = "none"  # none | bf16 | fp16: compress gradients for the all-reduce
+    comm_hook: str = "none"  # compress gradients to this dtype for the all-reduce
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | adam | sgd
+    name: str = "adamw"  # torch.optim.AdamW, Adam (weight decay added to the gradient) or SGD
     lr: float = 1.0e-3  # peak learning rate
     weight_decay: float = 0.01  # applied to weights only, never to biases or norm parameters
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # Adam(W) betas
     eps: float = 1.0e-8  # Adam(W) epsilon
     momentum: float = 0.9  # SGD momentum
     nesterov: bool = False  # SGD Nesterov momentum
-    fused: str = "auto"  # auto (fused kernels on CUDA) | true | false
+    fused: str = "auto"  # auto: fused Adam(W) kernels on CUDA
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
     zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step (BENCHMARKS.md: -1% vs -5% throughput)
 
 
 @dataclass
 class SchedulerConfig:
-    name: str = "constant"  # constant | warmup_cosine | warmup_linear | noam | inverse_sqrt
+    name: str = "constant"  # LR schedule after the warmup (ddptrain/optim.py, lr_lambda)
     warmup_steps: int = 0  # linear warmup from 0 to optim.lr
     min_lr_ratio: float = 0.0  # cosine/linear decay floor, as a fraction of optim.lr
     decay_steps: int = 0  # steps over which to decay; 0 = the run's total steps
@@ -92,9 +94,10 @@ class CheckpointConfig:
     keep_last: int = 3  # keep this many most recent checkpoints (0 = keep all)
     keep_best: int = 0  # also keep the best K by `best_metric` (0 = off)
     best_metric: str = "loss"  # eval metric name for keep_best
-    best_mode: str = "min"  # min | max
-    resume: str = "none"  # none | auto (newest complete checkpoint in output_dir) | a checkpoint path
+    best_mode: str = "min"  # min: a lower best_metric is better; max: a higher one
+    resume: str = "none"  # auto: the newest complete checkpoint in output_dir, if any; or a checkpoint path
     min_free_gb: float = 1.0  # refuse to start if the checkpoint disk has less free space
+    start_over: bool = False  # a new run in a folder holding another run's checkpoints: true moves that run's files to output_dir/archive/ (else refused)
 
 
 @dataclass
@@ -118,8 +121,8 @@ class CompileConfig:
     enabled: bool = False  # torch.compile the model for training steps (fuses casts, copies, elementwise chains)
     module_classes: list[str] = field(default_factory=list)  # compile only modules of these class names ("regional"); empty + no globs = whole model
     name_globs: list[str] = field(default_factory=list)  # ... and/or modules whose names match these globs
-    mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs
-    dynamic: str = "auto"  # auto (static shapes, dynamic after the first shape change) | true | false
+    mode: str = "default"  # torch.compile mode
+    dynamic: str = "auto"  # auto: static shapes, dynamic after the first shape change
     backend: str = "inductor"  # torch.compile backend (aot_eager: trace without code generation, for debugging)
     ddp_overlap: bool = True  # whole model on >1 GPU: split the graph at DDP buckets so the all-reduce overlaps the backward; false: one graph, all-reduce after it
 
@@ -137,33 +140,302 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
 
 
-_CHOICES = {
-    "trainer.precision": ("fp32", "bf16", "fp16"),
-    "trainer.param_dtype": ("fp32", "bf16"),
-    "dist.backend": ("auto", "nccl", "gloo"),
-    "dist.comm_hook": ("none", "bf16", "fp16"),
-    "optim.name": ("adamw", "adam", "sgd"),
-    "optim.fused": ("auto", "true", "false"),
-    "scheduler.name": ("constant", "warmup_cosine", "warmup_linear", "noam", "inverse_sqrt"),
-    "checkpoint.best_mode": ("min", "max"),
-    "compile.mode": ("default", "max-autotune-no-cudagraphs"),
-    "compile.dynamic": ("auto", "true", "false"),
-}
+# ----------------------------------------------------------------------------- the key table
+# Every key of Config, with what it accepts. Checked once, at load (and by the data classes for a
+# DataConfig built in Python, through check_section), so a bad value is an error naming its key
+# and origin before anything starts, not a failure (or a silent misreading) deep in a run.
 
 
-# Keys whose values below these bounds would fail later without naming the key (a division by
-# zero, a collective that times out at once, a DataLoader error). trainer.gc_every_steps is
-# checked where it is used (StepPacedGC), which names it too.
-_MINIMUM = {
-    "trainer.grad_accum_steps": 1,
-    "trainer.max_steps": 0,
-    "trainer.max_nonfinite_steps": 1,
-    "logging.log_every": 1,
-    "dist.timeout_s": 1,
-    "checkpoint.keep_last": 0,
-    "checkpoint.keep_best": 0,
-    "data.num_workers": 0,
+class _Bad(ValueError):
+    """A value a rule rejects; the message is the reason, without the key."""
+
+
+class Rule:
+    """What one key accepts: ``check(value)`` returns the value in canonical form (choices
+    lower-cased, signal names spelled ``SIGTERM``) or raises ``_Bad``; ``text`` documents it."""
+
+    def __init__(self, text: str, check: Callable[[Any], Any]):
+        self.text, self.check = text, check
+
+
+ANY = Rule("", lambda v: v)
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _Bad(f"must be a number, not {type(v).__name__}")
+    if not math.isfinite(v):
+        raise _Bad("must be finite")
+    return v
+
+
+def one_of(*choices: str) -> Rule:
+    """One of ``choices``, in any case; stored lower-case (the users compare with ``==``)."""
+    def check(v):
+        if str(v).lower() not in choices:
+            raise _Bad(f"is not one of {', '.join(choices)}")
+        return str(v).lower()
+    return Rule(" | ".join(choices), check)
+
+
+def at_least(low: float) -> Rule:
+    def check(v):
+        if not _number(v) >= low:
+            raise _Bad(f"must be >= {low}")
+        return v
+    return Rule(f">= {low}", check)
+
+
+def above(low: float) -> Rule:
+    def check(v):
+        if not _number(v) > low:
+            raise _Bad(f"must be > {low}")
+        return v
+    return Rule(f"> {low}", check)
+
+
+def within(low: float, high: float, high_open: bool = False) -> Rule:
+    """``low <= v <= high`` (``< high`` with ``high_open``)."""
+    def check(v):
+        v = _number(v)
+        if not (low <= v < high if high_open else low <= v <= high):
+            raise _Bad(f"must be in [{low}, {high}{')' if high_open else ']'}")
+        return v
+    return Rule(f"in [{low}, {high}{')' if high_open else ']'}", check)
+
+
+def not_empty() -> Rule:
+    def check(v):
+        if not str(v).strip():
+            raise _Bad("must not be empty")
+        return v
+    return Rule("not empty", check)
+
+
+def keyword_or_path(*keywords: str) -> Rule:
+    """One of ``keywords`` (any case, stored lower-case; "" is the first) or else a path (as given)."""
+    def check(v):
+        word = str(v).strip().lower() or keywords[0]
+        return word if word in keywords else v
+    return Rule(" | ".join(keywords) + " | a path", check)
+
+
+def items(rule: Rule, count: Optional[int] = None) -> Rule:
+    """A list whose every item passes ``rule`` (and of exactly ``count`` items, if given)."""
+    def check(v):
+        v = list(v)
+        if count is not None and len(v) != count:
+            raise _Bad(f"must have {count} values, not {len(v)}")
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(rule.check(x))
+            except _Bad as e:
+                raise _Bad(f"item {i} ({x!r}) {e}") from None
+        return out
+    return Rule((f"{count} values, " if count else "") + f"each {rule.text}", check)
+
+
+def _signal_name(v: Any) -> str:
+    """``SIGTERM``, ``sigterm``, ``TERM`` and ``term`` all name SIGTERM; stored as ``SIGTERM``."""
+    name = str(v).strip().upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    if not isinstance(getattr(signal, name, None), signal.Signals) or name.startswith("SIG_"):
+        raise _Bad(f"{v!r} is not a signal name (e.g. SIGTERM, SIGUSR1)")
+    if name in ("SIGKILL", "SIGSTOP"):
+        raise _Bad(f"{name} cannot be caught, so it cannot trigger a save")
+    return name
+
+
+SIGNALS = items(Rule("signal name (SIGTERM, TERM or term)", _signal_name))
+
+RULES: dict[str, Rule] = {
+    "trainer.output_dir": not_empty(),
+    "trainer.max_epochs": at_least(0),  # and >= 1 when max_steps is 0: see _TOGETHER
+    "trainer.max_steps": at_least(0),
+    "trainer.grad_accum_steps": at_least(1),
+    "trainer.precision": one_of("fp32", "bf16", "fp16"),
+    "trainer.param_dtype": one_of("fp32", "bf16"),
+    "trainer.clip_grad_norm": at_least(0),
+    "trainer.seed": at_least(0),
+    "trainer.eval_every": at_least(0),
+    "trainer.max_nonfinite_steps": at_least(1),
+    "trainer.device": one_of("auto", "cpu", "cuda"),
+    "trainer.deterministic": ANY,
+    "trainer.fp16_init_scale": above(0),
+    "trainer.fp16_min_scale": at_least(0),
+    "trainer.preempt_signals": SIGNALS,
+    "trainer.preempt_exit_code": within(0, 255),
+    "trainer.gc_every_steps": Rule(">= 0", lambda v: v),  # checked where it is used: process.StepPacedGC
+    "dist.backend": one_of("auto", "nccl", "gloo"),
+    "dist.timeout_s": at_least(1),
+    "dist.bucket_cap_mb": above(0),
+    "dist.gradient_as_bucket_view": ANY,
+    "dist.find_unused_parameters": ANY,
+    "dist.broadcast_buffers": ANY,
+    "dist.comm_hook": one_of("none", "bf16", "fp16"),
+    "optim.name": one_of("adamw", "adam", "sgd"),
+    "optim.lr": above(0),
+    "optim.weight_decay": at_least(0),
+    "optim.betas": items(within(0, 1, high_open=True), count=2),
+    "optim.eps": above(0),
+    "optim.momentum": within(0, 1),
+    "optim.nesterov": ANY,
+    "optim.fused": one_of("auto", "true", "false"),
+    "optim.zero": ANY,
+    "optim.zero_bucket_view": ANY,
+    "scheduler.name": one_of("constant", "warmup_cosine", "warmup_linear", "noam", "inverse_sqrt"),
+    "scheduler.warmup_steps": at_least(0),
+    "scheduler.min_lr_ratio": within(0, 1),
+    "scheduler.decay_steps": at_least(0),
+    "checkpoint.every_steps": at_least(0),
+    "checkpoint.save_at_end": ANY,
+    "checkpoint.keep_last": at_least(0),
+    "checkpoint.keep_best": at_least(0),
+    "checkpoint.best_metric": not_empty(),  # whether the run logs it is checked by the Trainer
+    "checkpoint.best_mode": one_of("min", "max"),
+    "checkpoint.resume": keyword_or_path("none", "auto"),
+    "checkpoint.min_free_gb": at_least(0),
+    "checkpoint.start_over": ANY,
+    "logging.log_every": at_least(1),
+    "logging.tensorboard": ANY,
+    "logging.jsonl": ANY,
+    "logging.progress_bar": ANY,
+    "recompute.enabled": ANY,
+    "recompute.module_classes": ANY,
+    "recompute.name_globs": ANY,
+    "recompute.every_k": at_least(1),
+    "compile.enabled": ANY,
+    "compile.module_classes": ANY,
+    "compile.name_globs": ANY,
+    "compile.mode": one_of("default", "max-autotune-no-cudagraphs"),
+    "compile.dynamic": one_of("auto", "true", "false"),
+    "compile.backend": not_empty(),
+    "compile.ddp_overlap": ANY,
+    "data.train_manifest": ANY,
+    "data.eval_manifest": ANY,
+    "data.tokenizer": ANY,
+    "data.unk_token": ANY,
+    "data.sample_rate": above(0),
+    "data.features": one_of("fbank", "logmel", "whisper_logmel", "raw"),
+    "data.num_mel_bins": at_least(1),
+    "data.frame_length_ms": above(0),
+    "data.frame_shift_ms": above(0),
+    "data.normalize": one_of("utterance", "global", "none"),
+    "data.global_stats": ANY,
+    "data.feature_device": one_of("worker", "gpu"),
+    "data.speed_perturb": items(above(0)),
+    "data.spec_augment": ANY,
+    "data.freq_masks": at_least(0),
+    "data.freq_mask_width": at_least(0),
+    "data.time_masks": at_least(0),
+    "data.time_mask_ratio": within(0, 1),
+    "data.max_duration": above(0),
+    "data.max_batch_size": at_least(0),
+    "data.quadratic_duration": at_least(0),
+    "data.num_buckets": at_least(1),
+    "data.bucket_sort_pool": at_least(0),
+    "data.sync_buckets": ANY,
+    "data.shuffle": ANY,
+    "data.tail": one_of("split", "duplicate", "drop"),
+    "data.seed": at_least(0),
+    "data.num_workers": at_least(0),
+    "data.pin_memory": ANY,
+    "data.prefetch_factor": at_least(1),
+    "data.persistent_workers": ANY,
+    "data.pad_to_multiple": at_least(1),
+    "data.loader_timeout_s": at_least(0),
+    "data.bad_data": one_of("error", "skip"),
+    "data.validate": ANY,
+    "data.validate_decode": ANY,
+    "data.duration_tolerance": at_least(0),
+    "data.output_frame_rate": at_least(0),
+    "data.max_utterance_duration": at_least(0),
 }
+
+# Rules over several keys of one section: (keys, ok(*values), what is wrong), checked after the
+# keys' own rules, so the values are canonical.
+_TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
+    (("trainer.max_epochs", "trainer.max_steps"), lambda epochs, steps: epochs >= 1 or steps > 0,
+     "trainer.max_epochs must be >= 1 when trainer.max_steps=0 (nothing would train)"),
+    (("trainer.param_dtype", "trainer.precision"), lambda dtype, precision: dtype != "bf16" or precision == "bf16",
+     "trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters would need loss "
+     "scaling of bf16 master gradients: not supported)"),
+    (("optim.name", "optim.nesterov", "optim.momentum"),
+     lambda name, nesterov, momentum: not (name == "sgd" and nesterov and momentum == 0),
+     "optim.nesterov=true needs optim.momentum > 0"),
+    (("recompute.enabled", "recompute.module_classes", "recompute.name_globs"),
+     lambda on, classes, globs: not on or bool(classes) or bool(globs),
+     "recompute.enabled=true needs recompute.module_classes or recompute.name_globs (which modules to recompute)"),
+    (("data.features", "data.sample_rate", "data.frame_length_ms", "data.frame_shift_ms"),
+     lambda kind, rate, length, shift: kind == "raw" or (int(rate * length / 1000) >= 2 and int(rate * shift / 1000) >= 1),
+     "data.frame_length_ms / data.frame_shift_ms are under 2 / 1 samples at data.sample_rate"),
+    (("data.features", "data.normalize", "data.global_stats"),
+     lambda kind, normalize, stats: kind == "raw" or normalize != "global" or bool(stats),
+     "data.normalize=global needs data.global_stats (a JSON file from "
+     "`python -m ddptrain.data.features MANIFEST OUT.json`)"),
+    (("data.features", "data.normalize"), lambda kind, normalize: kind != "whisper_logmel" or normalize == "none",
+     "data.features=whisper_logmel has Whisper's own fixed scaling: set data.normalize=none"),
+]
+
+
+def check_section(section: Any, name: str) -> Any:
+    """Check one config section built in Python (e.g. a ``DataConfig(...)`` handed straight to
+    a data class) against the same table as :func:`load_config`.
+
+    Args:
+        section: the section object (a dataclass instance).
+        name: its key in :class:`Config` (``"data"``).
+
+    Returns:
+        ``section`` with its values in canonical form (a copy if any changed).
+
+    Raises:
+        ConfigError: a value the table rejects; the message names the key.
+    """
+    fixed = _check({name: section}, {})
+    return fixed[name]
+
+
+def _check(root: Any, origins: dict[str, str]) -> Any:
+    """Apply RULES and _TOGETHER to ``root`` (a Config, or a dict of sections, keyed like Config)
+    and return it with canonical values; ``origins`` names where each key was set."""
+
+    def holder_of(key):
+        section, leaf = key.split(".", 1)
+        obj = root.get(section) if isinstance(root, dict) else getattr(root, section, None)
+        return (obj, leaf) if obj is not None and hasattr(obj, leaf) else (None, leaf)
+
+    def fail(key, why):
+        where = origins.get(key)
+        raise ConfigError(f"{where + ': ' if where else ''}{why}")
+
+    changed: dict[str, dict[str, Any]] = {}
+    for key, rule in RULES.items():
+        obj, leaf = holder_of(key)
+        if obj is None:
+            continue
+        value = getattr(obj, leaf)
+        try:
+            canonical = rule.check(value)
+        except _Bad as e:
+            shown = list(value) if isinstance(value, (list, tuple)) else value
+            fail(key, f"{key}={shown!r} {e}")
+        if canonical != value:
+            changed.setdefault(key.split(".", 1)[0], {})[leaf] = canonical
+    for section, values in changed.items():  # a copy: a section the caller built stays as it was
+        if isinstance(root, dict):
+            root[section] = dataclasses.replace(root[section], **values)
+        else:
+            setattr(root, section, dataclasses.replace(getattr(root, section), **values))
+    for keys, ok, why in _TOGETHER:
+        found = [holder_of(k) for k in keys]
+        if any(obj is None for obj, _ in found):
+            continue
+        if not ok(*(getattr(obj, leaf) for obj, leaf in found)):
+            where = sorted({origins[k] for k in keys if k in origins})
+            raise ConfigError(f"{'; '.join(where) + ': ' if where else ''}{why}")
+    return root
 
 
 def load_config(
@@ -186,6 +458,7 @@ def load_config(
             names the key and the file or the override it came from.
     """
     cfg = OmegaConf.structured(schema)
+    origins: dict[str, str] = {}  # key -> the file or override that set it last
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
@@ -197,23 +470,26 @@ def load_config(
             raise ConfigError(f"{path}: the top level must be a mapping of sections (trainer:, data:, ...), "
                               f"not a {type(file_cfg).__name__}")
         cfg = _merge(cfg, file_cfg, origin=path)
+        origins.update(dict.fromkeys(_leaf_keys(file_cfg), path))
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=3e-4)")
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), origin=f"override {item!r}", key=item.split("=", 1)[0])
-    for key, allowed in _CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and str(value).lower() not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    for key, least in _MINIMUM.items():
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < least:
-            raise ConfigError(f"{key}={value!r} must be >= {least}")
-    if str(OmegaConf.select(cfg, "trainer.param_dtype")).lower() == "bf16" \
-            and str(OmegaConf.select(cfg, "trainer.precision")).lower() != "bf16":
-        raise ConfigError("trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters "
-                          "would need loss scaling of bf16 master gradients: not supported)")
-    return OmegaConf.to_object(cfg)
+        one = OmegaConf.from_dotlist([item])
+        cfg = _merge(cfg, one, origin=f"override {item!r}", key=item.split("=", 1)[0])
+        origins.update(dict.fromkeys(_leaf_keys(one), f"override {item!r}"))
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+        raise ConfigError(f"{path or 'config'}: {e}") from None
+    return _check(obj, origins)
+
+
+def _leaf_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """The dotted keys of the values (not sections) in ``node``."""
+    out = []
+    for k, v in node.items_ex(resolve=False):
+        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, DictConfig) else [f"{prefix}{k}"]
+    return out
 
 
 def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> DictConfig:
@@ -238,7 +514,8 @@ def to_yaml(cfg: Any) -> str:
 
 
 def reference_markdown(schema: type = Config) -> str:
-    """A Markdown table of every config key, its default and its comment (for the README).
+    """A Markdown table of every config key, its default, what it accepts (:data:`RULES`) and
+    its comment (for the README).
 
     The comments are read from the dataclass source, so the README reference cannot drift from
     the code: ``python -m ddptrain.config`` regenerates it, and a test checks it is current.
@@ -246,7 +523,7 @@ def reference_markdown(schema: type = Config) -> str:
     import inspect
     import re
 
-    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    rows = ["| key | default | accepts | meaning |", "| --- | --- | --- | --- |"]
 
     def walk(cls, prefix):
         comments = {}
@@ -259,7 +536,8 @@ def reference_markdown(schema: type = Config) -> str:
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
             else:
-                rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {comments.get(f.name, '')} |")
+                rule = RULES.get(f"{prefix}{f.name}", ANY).text.replace("|", "\\|")
+                rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {rule} | {comments.get(f.name, '')} |")
 
     walk(schema, "")
     return "\n".join(rows)

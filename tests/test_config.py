@@ -66,3 +66,175 @@ def test_user_schema_extension():
     assert cfg.model.width == 16 and cfg.optim.name == "adamw"
     with pytest.raises(ConfigError, match="model.depth"):
         load_config(None, ["model.depth=2"], schema=MyConfig)
+
+
+# --------------------------------------------- choice values reach their users in canonical form
+
+
+def test_best_mode_in_capitals_keeps_the_best_checkpoint(tmp_path):
+    import json
+    import os
+
+    from ddptrain import checkpoint as ckpt
+
+    cfg = load_config(None, ["checkpoint.best_mode=MIN"])
+    for step, loss in [(1, 1.0), (2, 3.0), (3, 2.0), (4, 2.5)]:
+        path = tmp_path / f"step_{step}"
+        path.mkdir()
+        (path / "meta.json").write_text(json.dumps({"run_id": "r", "metrics": {"loss": loss}}))
+        (path / ckpt.COMPLETE).write_text("")
+    ckpt.prune(str(tmp_path), keep_last=1, keep_best=1, metric="loss", mode=cfg.checkpoint.best_mode,
+               run_id="r")
+    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_4"]  # the lowest loss and the newest
+
+
+def test_comm_hook_in_capitals_installs_the_bf16_hook(monkeypatch):
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddptrain.dist import wrap_ddp
+
+    cfg = load_config(None, ["dist.comm_hook=BF16"])
+    hooks = []
+    monkeypatch.setattr(DistributedDataParallel, "register_comm_hook", lambda self, state, hook: hooks.append(hook))
+    tdist.init_process_group("gloo", rank=0, world_size=1, store=tdist.HashStore())
+    try:
+        wrap_ddp(torch.nn.Linear(2, 2), cfg.dist, torch.device("cpu"))
+    finally:
+        tdist.destroy_process_group()
+    assert hooks == [default_hooks.bf16_compress_hook]
+
+
+def test_precision_in_capitals_autocasts_to_bf16():
+    import torch
+
+    from ddptrain.precision import Precision
+
+    cfg = load_config(None, ["trainer.precision=BF16"])
+    assert Precision(cfg.trainer.precision, torch.device("cpu")).dtype == torch.bfloat16
+
+
+def test_scheduler_name_in_mixed_case_decays_after_warmup():
+    import math
+
+    import torch
+
+    from ddptrain.optim import build_scheduler
+
+    cfg = load_config(None, ["scheduler.name=Warmup_Cosine", "scheduler.warmup_steps=2"])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(opt, cfg.scheduler, total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:2] == [0.5, 1.0]
+    assert lrs[2:] == pytest.approx([0.5 * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3, 4)])
+
+
+# ------------------------------------------------------------ every key is checked at load
+
+
+def test_every_key_of_the_schema_is_in_the_table():
+    import dataclasses
+
+    from ddptrain.config import RULES, Config
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            yield from keys(type(default), f"{prefix}{f.name}.") if dataclasses.is_dataclass(default) \
+                else [f"{prefix}{f.name}"]
+
+    assert sorted(keys(Config)) == sorted(RULES)
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("optim.betas=[0.9]", r"optim.betas=\[0.9\] must have 2 values, not 1"),
+    ("optim.betas=[0.9,1.0]", r"optim.betas=\[0.9, 1.0\] item 1 \(1.0\) must be in \[0, 1\)"),
+    ("trainer.max_epochs=0", "trainer.max_epochs must be >= 1 when trainer.max_steps=0"),
+    ("optim.lr=0", "optim.lr=0.0 must be > 0"),
+    ("optim.lr=nan", "optim.lr=nan must be finite"),
+    ("optim.eps=0", "optim.eps=0.0 must be > 0"),
+    ("scheduler.warmup_steps=-1", "scheduler.warmup_steps=-1 must be >= 0"),
+    ("scheduler.min_lr_ratio=1.5", r"scheduler.min_lr_ratio=1.5 must be in \[0, 1\]"),
+    ("trainer.clip_grad_norm=-1", "trainer.clip_grad_norm=-1.0 must be >= 0"),
+    ("trainer.eval_every=-1", "trainer.eval_every=-1 must be >= 0"),
+    ("checkpoint.every_steps=-5", "checkpoint.every_steps=-5 must be >= 0"),
+    ("data.sample_rate=0", "data.sample_rate=0 must be > 0"),
+    ("data.max_duration=0", "data.max_duration=0.0 must be > 0"),
+    ("data.num_buckets=0", "data.num_buckets=0 must be >= 1"),
+    ("data.frame_shift_ms=0", "data.frame_shift_ms=0.0 must be > 0"),
+    ("data.frame_length_ms=0.05", "data.frame_length_ms / data.frame_shift_ms are under 2 / 1 samples"),
+    ("data.time_mask_ratio=2", r"data.time_mask_ratio=2.0 must be in \[0, 1\]"),
+    ("data.prefetch_factor=0", "data.prefetch_factor=0 must be >= 1"),
+    ("data.speed_perturb=[0.9,0]", r"data.speed_perturb=\[0.9, 0.0\] item 1 \(0.0\) must be > 0"),
+    ("data.tail=exact", "data.tail='exact' is not one of split, duplicate, drop"),
+    ("data.features=mfcc", "data.features='mfcc' is not one of fbank, logmel, "),
+    ("data.normalize=global", "data.normalize=global needs data.global_stats"),
+    ("trainer.preempt_signals=[SIGTERM,SIGFOO]", r"item 1 \('SIGFOO'\) 'SIGFOO' is not a signal name"),
+    ("trainer.preempt_signals=[SIGKILL]", "SIGKILL cannot be caught"),
+    ("trainer.device=gpu", "trainer.device='gpu' is not one of auto, cpu, cuda"),
+    ("trainer.param_dtype=bf16", "trainer.param_dtype=bf16 needs trainer.precision=bf16"),
+    ("recompute.enabled=true", "recompute.enabled=true needs recompute.module_classes or recompute.name_globs"),
+])
+def test_bad_values_name_the_key_and_the_override(override, pattern):
+    with pytest.raises(ConfigError, match=rf"^override '{override[:12]}.*{pattern}"):
+        load_config(None, [override])
+
+
+def test_a_bad_value_in_a_file_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  betas: [0.9, 0.98, 0.999]\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: optim\.betas=\[0.9, 0.98, 0.999\] must have 2 values"):
+        load_config(str(path))
+    path.write_text("trainer:\n  max_epochs: 0\n")  # fixed by an override: fine
+    assert load_config(str(path), ["trainer.max_steps=3"]).trainer.max_epochs == 0
+
+
+def test_choices_signals_and_keywords_are_stored_canonical():
+    cfg = load_config(None, ["trainer.preempt_signals=[term,sigusr1,SIGINT]", "optim.fused=True",
+                             "compile.dynamic=FALSE", "data.tail=Split", "checkpoint.resume=AUTO",
+                             "data.features=Whisper_LogMel", "data.normalize=NONE"])
+    assert cfg.trainer.preempt_signals == ["SIGTERM", "SIGUSR1", "SIGINT"]
+    assert (cfg.optim.fused, cfg.compile.dynamic, cfg.data.tail, cfg.checkpoint.resume, cfg.data.features) == \
+        ("true", "false", "split", "auto", "whisper_logmel")
+    assert load_config(None, ["checkpoint.resume=runs/Auto/step_5"]).checkpoint.resume == "runs/Auto/step_5"
+
+
+def test_canonical_signal_names_install():
+    import signal
+
+    from ddptrain.process import PreemptionFlag
+
+    flag = PreemptionFlag(load_config(None, ["trainer.preempt_signals=[usr1]"]).trainer.preempt_signals)
+    assert flag.signals == [signal.SIGUSR1]
+
+
+def test_check_section_normalises_a_data_config_built_in_python():
+    from ddptrain.config import check_section
+    from ddptrain.data.config import DataConfig
+
+    mine = DataConfig(features="LogMel", bad_data="SKIP")
+    got = check_section(mine, "data")
+    assert (got.features, got.bad_data) == ("logmel", "skip")
+    assert mine.features == "LogMel"  # the caller's object is left as it was
+    assert check_section(DataConfig(), "data") == DataConfig()
+    with pytest.raises(ConfigError, match=r"^data.speed_perturb=\[1.1, -1.0\] item 1"):
+        check_section(DataConfig(speed_perturb=[1.1, -1.0]), "data")
+    with pytest.raises(ConfigError, match="data.max_duration='200' must be a number"):
+        check_section(DataConfig(max_duration="200"), "data")
+
+
+@pytest.mark.parametrize("name", ["asr_demo.yaml", "asr_demo_accent.yaml", "asr_gpu.yaml"])
+def test_shipped_configs_load(name, monkeypatch):
+    import importlib
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "examples"))
+    schema = importlib.import_module("finetune_asr").ASRConfig
+    load_config(os.path.join(root, "configs", name), schema=schema)

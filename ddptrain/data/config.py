@@ -18,13 +18,13 @@ class DataConfig:
     unk_token: str = ""  # map unknown characters to this token; "" = unknown chars are an error
     # --- audio and features
     sample_rate: int = 16000  # everything is resampled to this rate
-    features: str = "fbank"  # fbank (Kaldi-compatible) | logmel | raw (waveform)
+    features: str = "fbank"  # fbank: Kaldi-compatible; logmel; whisper_logmel: as Whisper's own (30 s windows); raw: the waveform
     num_mel_bins: int = 80  # mel bins for fbank / logmel
     frame_length_ms: float = 25.0  # analysis window for fbank / logmel
     frame_shift_ms: float = 10.0  # hop between frames (10 ms = 100 frames/s)
-    normalize: str = "utterance"  # utterance | global | none (mean/variance normalisation)
+    normalize: str = "utterance"  # mean/variance normalisation per utterance, global (global_stats) or none
     global_stats: str = ""  # JSON with "mean"/"std" lists, for normalize=global (see features.py)
-    feature_device: str = "worker"  # worker (CPU, in DataLoader workers) | gpu (whole padded batch)
+    feature_device: str = "worker"  # worker: on the CPU, in DataLoader workers; gpu: the whole padded batch
     # --- augmentation (training only)
     speed_perturb: list[float] = field(default_factory=list)  # e.g. [0.9, 1.0, 1.1]; [] = off
     spec_augment: bool = False  # SpecAugment time and frequency masks
@@ -40,7 +40,7 @@ class DataConfig:
     bucket_sort_pool: int = 8  # sort shuffled utterances in pools of this many batches (less padding); 0 = off
     sync_buckets: bool = True  # the ranks' batches of one step come from one bucket (equal cost: no rank waits)
     shuffle: bool = True  # shuffle within buckets and across batches (seed + epoch)
-    tail: str = "split"  # split | duplicate | drop: equal batch counts on all ranks (sampler.py; eval: exact)
+    tail: str = "split"  # how all ranks get equal batch counts (sampler.py; eval: exact)
     seed: int = 0  # sampler seed (same on every rank)
     # --- loading
     num_workers: int = 2  # DataLoader worker processes
@@ -50,7 +50,7 @@ class DataConfig:
     pad_to_multiple: int = 8  # pad time to a multiple of this (tensor cores)
     loader_timeout_s: float = 300.0  # a batch that takes longer than this is an error, not a hang; 0 = none
     # --- validation
-    bad_data: str = "error"  # error (list every bad line, stop) | skip (drop them, report the count)
+    bad_data: str = "error"  # error: list every bad line, stop; skip: drop them, report the count
     validate: bool = True  # validate manifests before training (file, header, duration, text)
     validate_decode: bool = False  # also decode every file when validating (finds corrupt bodies; slow)
     duration_tolerance: float = 0.1  # seconds of allowed mismatch between manifest and file header

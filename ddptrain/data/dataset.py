@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ddptrain.config import check_section
 from ddptrain.data.audio import load_audio
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
@@ -79,10 +80,7 @@ class SpeechDataset(Dataset):
     """
 
     def __init__(self, entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, train: bool = False):
-        if cfg.bad_data not in ("error", "skip"):
-            raise ValueError(f"data.bad_data={cfg.bad_data!r} is not one of error, skip")
-        if cfg.feature_device not in ("worker", "gpu"):
-            raise ValueError(f"data.feature_device={cfg.feature_device!r} is not one of worker, gpu")
+        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
         self.ids = PackedStrings([e.id for e in entries])
         self.paths = PackedStrings([e.audio_filepath for e in entries])
         self.texts = PackedStrings([e.text for e in entries])
@@ -95,8 +93,6 @@ class SpeechDataset(Dataset):
         self.tokenizer = tokenizer
         self.train = train
         self.speeds = [float(s) for s in cfg.speed_perturb] if train else []
-        if any(s <= 0 for s in self.speeds):
-            raise ValueError(f"data.speed_perturb factors must be > 0, got {cfg.speed_perturb}")
         self.extractor: Optional[BatchFeatureExtractor] = None
         if cfg.features != "raw" and cfg.feature_device == "worker":
             self.extractor = BatchFeatureExtractor(cfg).train(train)

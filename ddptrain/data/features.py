@@ -36,6 +36,7 @@ import torch
 import torchaudio
 from torch import Tensor, nn
 
+from ddptrain.config import check_section
 from ddptrain.data.config import DataConfig
 
 FEATURE_KINDS = ("fbank", "logmel", "whisper_logmel")
@@ -67,31 +68,26 @@ class BatchFeatureExtractor(nn.Module):
     the window is an error: split it into 30 s chunks first.
 
     Raises:
-        ValueError: an unknown feature kind or normalisation, frames too short for the sample
-            rate, or ``whisper_logmel`` with a normalisation other than ``none``.
+        ConfigError: a ``cfg`` value outside what ``load_config`` accepts (frames too short for
+            the sample rate, ``whisper_logmel`` with a normalisation other than ``none``, ...).
+        ValueError: ``features: raw`` (there is nothing to extract).
     """
 
     def __init__(self, cfg: DataConfig):
         super().__init__()
+        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
         if cfg.features not in FEATURE_KINDS:
             raise ValueError(f"data.features={cfg.features!r}: feature extraction needs one of {FEATURE_KINDS}")
-        if cfg.normalize not in ("utterance", "global", "none"):
-            raise ValueError(f"data.normalize={cfg.normalize!r} is not one of utterance, global, none")
         self.kind = cfg.features
         self.sample_rate = cfg.sample_rate
         self.win = int(cfg.sample_rate * cfg.frame_length_ms / 1000)
         self.hop = int(cfg.sample_rate * cfg.frame_shift_ms / 1000)
-        if self.win < 2 or self.hop < 1:
-            raise ValueError("frame_length_ms / frame_shift_ms are too small for the sample rate")
         self.normalize = cfg.normalize
         self.pad_to_multiple = max(1, cfg.pad_to_multiple)
         self.spec_augment = cfg.spec_augment
         self.freq_masks, self.freq_mask_width = cfg.freq_masks, cfg.freq_mask_width
         self.time_masks, self.time_mask_ratio = cfg.time_masks, cfg.time_mask_ratio
         if self.kind == "whisper_logmel":
-            if cfg.normalize != "none":
-                raise ValueError(f"data.features=whisper_logmel has Whisper's own fixed scaling: set "
-                                 f"data.normalize=none (got {cfg.normalize!r})")
             self.n_fft = self.win
             self.window_samples = WHISPER_WINDOW_S * cfg.sample_rate
             banks = torchaudio.functional.melscale_fbanks(

@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.utils.data import DataLoader
 
+from ddptrain.config import check_section
 from ddptrain.data.collate import SpeechCollator
 from ddptrain.data.config import DataConfig
 from ddptrain.data.dataset import SpeechDataset
@@ -66,11 +67,11 @@ def build_dataloader(
         ``.batch_sampler`` the DurationBucketSampler.
 
     Raises:
+        ConfigError: a ``data_cfg`` value outside what ``load_config`` accepts.
         DataError: bad manifest lines under ``bad_data: error`` (all listed), no utterance
             left, or ranks that disagree about the data set.
     """
-    cfg = data_cfg
-    _check_choices(cfg)
+    cfg = check_section(data_cfg, "data")  # a DataConfig built in Python gets load_config's checks
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
     if world_size is None:
         world_size = torch.distributed.get_world_size() if dist_on else 1
@@ -135,15 +136,6 @@ def build_dataloader(
         BatchFeatureExtractor(cfg).train(train) if cfg.features != "raw" and cfg.feature_device == "gpu" else None
     )
     return loader
-
-
-def _check_choices(cfg: DataConfig) -> None:
-    choices = {"features": ("fbank", "logmel", "whisper_logmel", "raw"), "normalize": ("utterance", "global", "none"),
-               "feature_device": ("worker", "gpu"), "bad_data": ("error", "skip"),
-               "tail": ("split", "duplicate", "drop", "exact")}
-    for key, allowed in choices.items():
-        if getattr(cfg, key) not in allowed:
-            raise ValueError(f"data.{key}={getattr(cfg, key)!r} is not one of {', '.join(allowed)}")
 
 
 def _check_sharded(entries: list[ManifestEntry], cfg: DataConfig, tokenizer, dist_on: bool) -> list:

@@ -49,6 +49,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import soundfile as sf
 
+from ddptrain.config import ConfigError, check_section, load_config
 from ddptrain.data.audio import AudioError, audio_info
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
@@ -110,16 +111,17 @@ def validate_manifest(
         ``report.entries`` and logs ``report.num_skipped``.
 
     Raises:
+        ConfigError: a ``data_cfg`` value (or ``policy``) outside what ``load_config`` accepts.
         DataError: under ``error``, when any line is bad; the message lists every bad line as
             ``file:line: reason`` (``.problems`` has them as records).
     """
     cfg = data_cfg or DataConfig()
-    policy = policy or cfg.bad_data
-    if policy not in ("error", "skip"):
-        raise ValueError(f"bad_data policy {policy!r} is not one of error, skip")
+    if policy is not None:
+        cfg = replace(cfg, bad_data=policy)
+    cfg = check_section(cfg, "data")
     entries, problems = _entries_of(manifest)
     problems += check_entries(entries, cfg, tokenizer, cfg.validate_decode if decode is None else decode, num_threads)
-    return finish_report(entries, problems, policy)
+    return finish_report(entries, problems, cfg.bad_data)
 
 
 def finish_report(entries: list[ManifestEntry], problems: list[Problem], policy: str) -> ValidationReport:
@@ -262,12 +264,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     a = p.parse_args(argv)
-    if a.config:
-        from ddptrain.config import load_config
-
-        cfg = load_config(a.config).data
-    else:
-        cfg = DataConfig()
+    try:
+        cfg = load_config(a.config).data if a.config else DataConfig()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     for arg, key in [("sample_rate", "sample_rate"), ("max_duration", "max_duration"),
                      ("max_utterance_duration", "max_utterance_duration"),
                      ("quadratic_duration", "quadratic_duration"), ("output_frame_rate", "output_frame_rate"),
@@ -283,7 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tokenizer = CharTokenizer.load(tok_path)
         report = validate_manifest(a.manifests, cfg, tokenizer, decode=a.decode or None,
                                    num_threads=a.threads, policy="skip")
-    except DataError as e:  # unreadable manifest or tokenizer file
+    except (DataError, ConfigError) as e:  # unreadable manifest or tokenizer file, or a bad --option
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(report.summary() if a.quiet else str(report))
