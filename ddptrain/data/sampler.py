@@ -81,13 +81,21 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 from torch.utils.data import Sampler
+
+from ddptrain import dist
 
 log = logging.getLogger(__name__)
 
 TAILS = ("split", "duplicate", "drop", "exact")
 _STATE_VERSION = 1
+
+
+def padded_cost(durations, quadratic_duration: float):
+    """The budget cost of utterances of ``durations`` seconds (a number or an array): ``d``, or
+    ``d + d*d/quadratic_duration`` when that is > 0. A batch costs ``size * cost(longest)``."""
+    d = durations
+    return d + d * d / quadratic_duration if quadratic_duration > 0 else d
 
 
 class DurationBucketSampler(Sampler):
@@ -114,8 +122,9 @@ class DurationBucketSampler(Sampler):
             utterances sorted, the same every epoch (for evaluation).
         tail: ``split`` | ``duplicate`` | ``drop`` | ``exact``, see the module docstring.
         seed: base seed, must be the same on every rank.
-        world_size: number of ranks; default: from ``torch.distributed`` if initialised, else 1.
-        rank: this rank; default: from ``torch.distributed`` if initialised, else 0.
+        world_size: number of ranks; default: ``ddptrain.dist.get_world_size()`` (1 without a
+            process group).
+        rank: this rank; default: ``ddptrain.dist.get_rank()`` (0 without a process group).
 
     Raises:
         ValueError: bad settings, an empty data set, or an utterance that does not fit in a
@@ -139,10 +148,8 @@ class DurationBucketSampler(Sampler):
         world_size: Optional[int] = None,
         rank: Optional[int] = None,
     ):
-        if world_size is None or rank is None:
-            dist_ok = torch.distributed.is_available() and torch.distributed.is_initialized()
-            world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist_ok else 1)
-            rank = rank if rank is not None else (torch.distributed.get_rank() if dist_ok else 0)
+        world_size = dist.get_world_size() if world_size is None else world_size
+        rank = dist.get_rank() if rank is None else rank
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got {world_size=} {rank=}")
         if tail not in TAILS:
@@ -181,7 +188,7 @@ class DurationBucketSampler(Sampler):
         self.world_size = int(world_size)
         self.rank = int(rank)
 
-        too_long = np.flatnonzero(self._cost(d) > self.max_duration)
+        too_long = np.flatnonzero(padded_cost(d, self.quadratic_duration) > self.max_duration)
         if too_long.size:
             raise ValueError(
                 f"{too_long.size} utterance(s) do not fit in a batch of max_duration={self.max_duration}s on "
@@ -207,9 +214,6 @@ class DurationBucketSampler(Sampler):
         self._stats_cache: Optional[tuple] = None
 
     # ------------------------------------------------------------------ buckets
-    def _cost(self, d):
-        return d + d * d / self.quadratic_duration if self.quadratic_duration > 0 else d
-
     def _make_buckets(self) -> tuple[list[np.ndarray], list[int]]:
         d = self.durations
         order = self._sorted(np.arange(d.size))
@@ -239,7 +243,7 @@ class DurationBucketSampler(Sampler):
         return idx[np.lexsort(keys)]
 
     def _batch_size_for(self, longest: float) -> int:
-        c = float(self._cost(longest))
+        c = float(padded_cost(longest, self.quadratic_duration))
         bs = max(1, int(math.floor(self.max_duration / c)))
         while bs > 1 and bs * c > self.max_duration:  # guard against float rounding up
             bs -= 1
@@ -282,7 +286,8 @@ class DurationBucketSampler(Sampler):
             runs += [bucket[i:i + group] for i in range(0, full, group)]
             leftover += bucket[full:]
         # the left-over batches, ordered by padded cost, make runs of near-equal cost too
-        leftover.sort(key=lambda b: (b.size * float(self._cost(self.durations[b].max())), b[0]))
+        q = self.quadratic_duration
+        leftover.sort(key=lambda b: (b.size * float(padded_cost(self.durations[b].max(), q)), b[0]))
         full = len(leftover) - len(leftover) % group
         runs += [leftover[i:i + group] for i in range(0, full, group)]
         return [b for i in rng.permutation(len(runs)) for b in runs[i]] + leftover[full:]
@@ -469,7 +474,7 @@ class DurationBucketSampler(Sampler):
             longest = np.maximum.reduceat(d, starts)
             real = float(d.sum())
         padded = float((nonempty * longest).sum())
-        cost = nonempty * self._cost(longest)
+        cost = nonempty * padded_cost(longest, self.quadratic_duration)
         per_step = np.zeros(sizes.size)
         per_step[sizes > 0] = cost
         per_step = per_step.reshape(-1, self.world_size)  # the plan is a multiple of the world size
