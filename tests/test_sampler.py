@@ -294,6 +294,39 @@ def test_trainer_overwrites_position_with_what_it_consumed():
     assert list(r) == full[6:]
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_iter_twice_before_consuming_keeps_the_resume_position(world_size):
+    # torch's DataLoader with workers calls iter(batch_sampler) twice when it makes an epoch's
+    # iterator (_BaseDataLoaderIter.__init__ and _MultiProcessingDataLoaderIter._reset) and
+    # consumes only the second one
+    kw = dict(max_duration=150, seed=2, world_size=world_size)
+    for rank in range(world_size):
+        ref = DurationBucketSampler(DURS, rank=rank, **kw)
+        ref.set_epoch(1)
+        full = list(ref)
+        s = DurationBucketSampler(DURS, rank=rank, **kw)
+        s.load_state_dict(dict(ref.state_dict(), position=5))
+        s.set_epoch(1)
+        unused = iter(s)  # noqa: F841
+        assert s.state_dict()["position"] == 5, "making an iterator must not use up the position"
+        assert list(iter(s)) == full[5:]
+        assert list(s) == full, "once an iteration has started, the next one is a fresh epoch"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_with_workers_resumes_at_the_position(workers):
+    import torch
+
+    ref = DurationBucketSampler(DURS[:400], max_duration=100, seed=4)
+    full = list(ref)
+    s = DurationBucketSampler(DURS[:400], max_duration=100, seed=4)
+    s.load_state_dict(dict(ref.state_dict(), position=3))
+    loader = torch.utils.data.DataLoader(range(400), batch_sampler=s, num_workers=workers,
+                                         collate_fn=lambda b: [int(i) for i in b])
+    assert list(loader) == full[3:]
+
+
 def test_position_resets_after_a_complete_epoch_and_iteration_restarts():
     s = DurationBucketSampler(DURS[:200], max_duration=100, seed=1)
     first = list(s)

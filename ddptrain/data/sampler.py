@@ -8,7 +8,14 @@ What it yields: lists of dataset indices (it is a *batch* sampler: pass it to
 * ``state_dict()`` / ``load_state_dict(state)``: exact mid-epoch resume. ``state["epoch"]`` and
   ``state["position"]``, where position = batches of the epoch already done. The DataLoader
   prefetches, so the sampler's own count runs ahead of training; the Trainer overwrites
-  ``position`` with the batches it actually consumed before saving.
+  ``position`` with the batches it actually consumed before saving. A loaded position is used
+  by the first iteration that *starts* (its first ``next()``), however many ``iter()`` calls
+  come before: torch's DataLoader with workers calls ``iter()`` twice for one epoch's iterator
+  and reads only the second. Once an iteration has started, the next ``iter()`` is a fresh
+  pass over the epoch.
+* The sampler decides which utterances a batch holds, nothing random about them: their
+  augmentation is drawn by ``SpeechDataset`` from ``(seed, epoch, index)``, so a resumed run
+  with fresh DataLoader workers sees the same audio (see ``SpeechDataset.set_epoch``).
 * ``epoch_stats()`` -> dict: padding fraction, batch-size statistics, duplicated/dropped counts
   of the current epoch's plan (the same on every rank), for logging.
 
@@ -208,7 +215,7 @@ class DurationBucketSampler(Sampler):
         # epoch is stored with each entry because a Trainer may save at an epoch boundary with
         # state["epoch"] already advanced: an old epoch's reshard must not bend the new epoch's plan.
         self._history: list[tuple[int, int, int]] = []
-        self._resume_position: Optional[int] = None  # set by load_state_dict, used by the next __iter__
+        self._resume_position: Optional[int] = None  # set by load_state_dict, used up by the next iteration
         self._position = 0  # batches handed out by the current iteration (runs ahead of training)
         self._plan_cache: Optional[tuple] = None
         self._stats_cache: Optional[tuple] = None
@@ -343,18 +350,21 @@ class DurationBucketSampler(Sampler):
             self._history = []  # a fresh pass over the epoch: the full plan, not a resumed one
             start = 0
         else:
-            start, self._resume_position = self._resume_position, None
+            start = self._resume_position
         batches, done = self._rank_batches()
         if not done <= start <= done + len(batches):
             raise ValueError(f"resume position {start} is outside epoch {self.epoch}'s "
                              f"{done}..{done + len(batches)} batches")
-        self._position = start
         # the plan is made here, not lazily in the generator: the DataLoader calls iter() when
         # the epoch's iterator is created, and that is the state the epoch must run with
-        return self._generate(batches, start - done)
+        return self._generate(batches, start, done)
 
-    def _generate(self, batches: list[np.ndarray], skip: int):
-        for b in batches[skip:]:
+    def _generate(self, batches: list[np.ndarray], start: int, done: int):
+        # The resume position is used up when iteration begins, not by iter(): a DataLoader with
+        # workers calls iter() twice for one epoch and reads only the second iterator.
+        self._resume_position = None
+        self._position = start
+        for b in batches[start - done:]:
             self._position += 1
             yield b.tolist()
         self._position = 0  # epoch complete: nothing left to skip
@@ -394,7 +404,8 @@ class DurationBucketSampler(Sampler):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at batch ``state["position"]`` of epoch ``state["epoch"]`` on the next ``__iter__``.
+        """Resume at batch ``state["position"]`` of epoch ``state["epoch"]`` in the next iteration
+        that starts (see the module docstring: ``iter()`` alone does not use the position up).
 
         Raises:
             ValueError: unknown or missing keys, a state of another data set, seed or batching
