@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.utils.data import DataLoader
 
+from ddptrain import dist
 from ddptrain.config import check_section
 from ddptrain.data.collate import SpeechCollator
 from ddptrain.data.config import DataConfig
@@ -59,7 +60,7 @@ def build_dataloader(
         data_cfg: the ``data:`` config section.
         tokenizer: a ``CharTokenizer``, a tokenizer file path, or ``None`` (no ``tokens`` keys).
         train: training (shuffle, augmentation, ``data.tail``) or evaluation (none of those).
-        world_size, rank: default from ``torch.distributed`` if initialised, else 1 / 0.
+        world_size, rank: default from ``ddptrain.dist`` (1 / 0 without a process group).
         seed: sampler seed; default ``data_cfg.seed``.
 
     Returns:
@@ -72,18 +73,15 @@ def build_dataloader(
             left, or ranks that disagree about the data set.
     """
     cfg = check_section(data_cfg, "data")  # a DataConfig built in Python gets load_config's checks
-    dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if world_size is None:
-        world_size = torch.distributed.get_world_size() if dist_on else 1
-    if rank is None:
-        rank = torch.distributed.get_rank() if dist_on else 0
+    world_size = dist.get_world_size() if world_size is None else world_size
+    rank = dist.get_rank() if rank is None else rank
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = CharTokenizer.load(tokenizer)
 
     entries, problems = _entries_of(manifest)
     report: Optional[ValidationReport] = None
     if cfg.validate:
-        problems += _check_sharded(entries, cfg, tokenizer, dist_on)
+        problems += _check_sharded(entries, cfg, tokenizer)
         report = finish_report(entries, problems, cfg.bad_data)
         entries = report.entries
         if report.problems:
@@ -93,8 +91,7 @@ def build_dataloader(
         entries = finish_report(entries, problems, cfg.bad_data).entries  # parse errors still count
     if not entries:
         raise DataError(f"no utterances left in {manifest!r} (after skipping bad lines)")
-    if dist_on and torch.distributed.get_world_size() > 1:
-        _check_same_on_all_ranks(entries)
+    _check_same_on_all_ranks(entries)
 
     speeds = [float(s) for s in cfg.speed_perturb] if train else []
     stretch = 1.0 / min(speeds) if speeds else 1.0
@@ -138,26 +135,25 @@ def build_dataloader(
     return loader
 
 
-def _check_sharded(entries: list[ManifestEntry], cfg: DataConfig, tokenizer, dist_on: bool) -> list:
-    if not (dist_on and torch.distributed.get_world_size() > 1):
+def _check_sharded(entries: list[ManifestEntry], cfg: DataConfig, tokenizer) -> list:
+    """Each rank of the process group checks every W-th entry; all ranks get all problems."""
+    w, r = dist.get_world_size(), dist.get_rank()
+    if w == 1:
         return check_entries(entries, cfg, tokenizer, cfg.validate_decode)
-    w, r = torch.distributed.get_world_size(), torch.distributed.get_rank()
     mine = check_entries(entries[r::w], cfg, tokenizer, cfg.validate_decode)
-    gathered: list = [None] * w
-    torch.distributed.all_gather_object(gathered, mine)
-    return [p for part in gathered for p in part]
+    return [p for part in dist.all_gather_object(mine) for p in part]
 
 
 def _check_same_on_all_ranks(entries: list[ManifestEntry]) -> None:
-    h = hashlib.blake2b(digest_size=7)
+    """Raise on every rank if the ranks of the process group ended up with different utterances."""
+    if dist.get_world_size() == 1:
+        return
+    h = hashlib.blake2b(digest_size=8)
     for e in entries:
         h.update(f"{e.id}\t{e.duration:.4f}\n".encode())
-    mine = int.from_bytes(h.digest(), "little")
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    if int(t[0]) != mine or int(t[1]) != -mine:
-        raise DataError(f"rank {torch.distributed.get_rank()} sees a different list of utterances than another "
-                        f"rank ({len(entries)} here): do all ranks read the same manifest, and is the "
-                        f"audio storage the same everywhere (a file readable on one node only)?")
+    seen = dist.all_gather_object((h.hexdigest(), len(entries)))
+    if len(set(seen)) > 1:
+        per_rank = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(seen))
+        raise DataError(f"the ranks see different lists of utterances ({per_rank}; rank {dist.get_rank()} "
+                        f"here): do all ranks read the same manifest, and is the audio storage the same "
+                        f"everywhere (a file readable on one node only)?")

@@ -54,6 +54,7 @@ from ddptrain.data.audio import AudioError, audio_info
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
 from ddptrain.data.manifest import ManifestEntry, duplicate_id_problems, parse_manifest, split_paths
+from ddptrain.data.sampler import padded_cost
 
 ManifestLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], Sequence[ManifestEntry]]
 
@@ -184,9 +185,7 @@ def _text_problems(e: ManifestEntry, cfg: DataConfig, tokenizer) -> list[Problem
         out.append(Problem(e.source, e.line, e.id, reason))
 
     slow, fast = _speed_range(cfg)
-    longest = e.duration / slow  # speed 0.9 makes an utterance 11% longer
-    cost = longest + longest * longest / cfg.quadratic_duration if cfg.quadratic_duration > 0 else longest
-    if cost > cfg.max_duration:
+    if padded_cost(e.duration / slow, cfg.quadratic_duration) > cfg.max_duration:  # speed 0.9: 11% longer
         extra = f" at speed {slow}" if slow != 1.0 else ""
         bad(f"too long: {e.duration:.2f}s{extra} does not fit in a batch of max_duration={cfg.max_duration}s")
     elif cfg.max_utterance_duration > 0 and e.duration > cfg.max_utterance_duration:
