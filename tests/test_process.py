@@ -1,0 +1,128 @@
+"""ddptrain/process.py: preemption signals become a flag, the paced garbage collector, the CPU
+thread budget and the DataLoader workers' signal/GC set-up."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
+
+
+def test_preemption_signal_sets_the_flag_and_restore_puts_the_old_handler_back():
+    old = signal.getsignal(signal.SIGUSR1)
+    flag = PreemptionFlag(["SIGUSR1"])
+    flag.install()
+    try:
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGUSR1)  # delivered to the main thread before kill returns
+        assert flag.requested
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGUSR1) is old
+    with pytest.raises(ValueError, match="trainer.preempt_signals: unknown signal 'SIGNOPE'"):
+        PreemptionFlag(["SIGNOPE"])
+
+
+@pytest.fixture
+def collections():
+    seen: list[int] = []
+
+    def record(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.callbacks.append(record)
+    yield seen
+    gc.callbacks.remove(record)
+    gc.enable() if was else gc.disable()
+
+
+def test_paced_gc_collects_young_objects_every_n_steps_and_everything_at_full(collections):
+    pacer = StepPacedGC(3)
+    gc.enable()
+    pacer.start()
+    assert not gc.isenabled() and collections == [2]  # one full collection, then automatic GC off
+    collections.clear()
+    for step in range(1, 8):
+        pacer.step(step)
+    assert collections == [1, 1]  # steps 3 and 6, young generations only
+    pacer.full()
+    assert collections == [1, 1, 2]
+    pacer.stop()
+    assert gc.isenabled()
+
+
+def test_paced_gc_off_leaves_automatic_collection_alone(collections):
+    pacer = StepPacedGC(0)
+    gc.enable()
+    pacer.start()
+    for step in range(1, 10):
+        pacer.step(step)
+    pacer.full()
+    assert gc.isenabled() and collections == []
+    pacer.stop()
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="trainer.gc_every_steps must be >= 0"):
+        StepPacedGC(-1)
+
+
+class _Loader:
+    num_workers = 1
+
+
+def test_cpu_threads_are_the_process_share_of_cores_minus_its_workers(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setattr(os, "cpu_count", lambda: 8)
+        budget_cpu_threads(_Loader())
+        assert torch.get_num_threads() == 3  # 8 cores / 2 processes - 1 worker
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        budget_cpu_threads(_Loader())
+        assert torch.get_num_threads() == 1  # never 0
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(5)
+        budget_cpu_threads(_Loader())
+        assert torch.get_num_threads() == 5  # an explicit OMP_NUM_THREADS is respected
+    finally:
+        torch.set_num_threads(before)
+
+
+class _WorkerState(Dataset):
+    """Each item reports the worker's SIGUSR1 handler, whether GC is on, and the user's init mark."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return (signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN, gc.isenabled(), os.environ.get("USER_INIT", ""))
+
+
+def _user_init(worker_id):
+    os.environ["USER_INIT"] = f"ran in worker {worker_id}"
+
+
+@pytest.mark.timeout(60)
+def test_loader_workers_ignore_preemption_signals_run_gc_and_keep_the_users_init():
+    loader = DataLoader(_WorkerState(), batch_size=None, num_workers=1, worker_init_fn=_user_init)
+    prepare_loader_workers(loader, ["SIGUSR1"])
+    prepare_loader_workers(loader, ["SIGUSR1"])  # idempotent: not wrapped twice
+    was = gc.isenabled()
+    gc.disable()  # as inside fit(): the workers are forked from a process with automatic GC off
+    try:
+        got = list(loader)
+    finally:
+        gc.enable() if was else gc.disable()
+    assert [tuple(x) for x in got] == [(True, True, "ran in worker 0")] * 2
+    assert loader.worker_init_fn.inner is _user_init
+    plain = DataLoader(_WorkerState(), batch_size=None, num_workers=0)
+    prepare_loader_workers(plain, ["SIGUSR1"])
+    assert plain.worker_init_fn is None  # no workers: nothing to prepare
