@@ -4,47 +4,43 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
 
     step_00000120/
         model.safetensors     weights only; loadable with safetensors + load_state_dict, no ddptrain
-        trainer.pt            optimizer (unsharded), LR scheduler, loss scaler, counters (rank 0)
-        optimizer_rank{r}.pt  ZeRO only: each rank's own optimizer-state shard
-        rank{r}.pt            per rank: RNG states (python, numpy, torch CPU/CUDA), sampler state
-        meta.json             step, epoch, world size, eval metrics, time
+        trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress), rank 0
+        {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer shard
+        config.yaml           the config the checkpoint was saved under
+        meta.json             step, epoch, world size, run id, eval metrics, time
         COMPLETE              written last; a folder without it is never loaded
+
+What goes in is decided by the caller, which hands :func:`save` / :func:`load` dicts of stateful
+objects (``state_dict()`` / ``load_state_dict()``): this module knows files, not Trainers.
 
 Why per-rank ZeRO shards instead of ``consolidate_state_dict()``: consolidation funnels every
 rank's state through rank 0's GPU (a memory spike of the whole optimizer state, 8 B/param for
 Adam) and is slow on large models; per-rank files are written in parallel straight from CPU
-copies. The price: resuming a ZeRO run needs the same world size (checked up front).
-
-What a Trainer puts into one and takes back out is at the end of this file
-(``save_trainer_state`` / ``restore_trainer_state``), so the Trainer's loop stays short.
+copies. Resuming on another number of processes reads the old shards one at a time and each new
+rank keeps the entries of its own partition (``load_resharded``, see ddptrain/optim.py).
 
 Atomicity: every rank writes into ``.tmp-step_N``; the ranks agree (all-reduce) that every
 write succeeded; then rank 0 writes the marker, fsyncs and renames the folder to ``step_N``.
 A crash at any point leaves either the previous checkpoints untouched plus a stale ``.tmp-``
-folder (ignored, removed next save), or a complete new checkpoint.
+folder (ignored, removed next save), or a complete new checkpoint. Every checkpoint names the
+run that wrote it (``run_id``): a run never overwrites or prunes another run's checkpoints.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import re
 import shutil
 import time
-from typing import TYPE_CHECKING, Optional, Union
+import warnings
+from typing import Optional, Union
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddptrain import dist
-from ddptrain.optim import is_zero
-
-if TYPE_CHECKING:
-    from ddptrain.trainer import Trainer
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -197,38 +193,6 @@ def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = Tru
     return report
 
 
-# ----------------------------------------------------------------------------- RNG
-
-
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": _numpy_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(_tuplify(state["python"]))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(gauss)))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _numpy_state():
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 # ----------------------------------------------------------------------------- save / load
 
 
@@ -247,28 +211,32 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
+
+def save(
     root: str,
     step: int,
-    model: Union[nn.Module, dict],
-    trainer_state: dict,
-    rank_state: dict,
-    optimizer_shard: Optional[dict],
+    weights: Union[nn.Module, dict],
+    shared: dict,
+    per_rank: dict,
     meta: dict,
     device: torch.device,
+    files: Optional[dict] = None,
 ) -> str:
     """Collective: every rank calls it; returns the final checkpoint path.
 
     Args:
         root: the checkpoints folder.
-        model: the model, or the state dict to save as its weights (the fp32 masters).
-        trainer_state: written by rank 0 (optimizer when not sharded, scheduler, scaler, counters).
-        rank_state: this rank's own state (RNG, sampler position).
-        optimizer_shard: this rank's ZeRO optimizer shard, or None.
-        meta: JSON-able facts (step, epoch, world size, metrics) for humans and keep-best.
+        weights: the model, or the state dict to save as its weights (e.g. the fp32 masters).
+        shared: name -> stateful object whose state is the same on every rank (optimizer,
+            scheduler, scaler, progress); rank 0 writes their ``state_dict()`` to ``trainer.pt``.
+        per_rank: name -> stateful object whose state differs per rank (RNG, sampler, a ZeRO
+            shard), or None; each rank writes ``{name}_rank{r}.pt``.
+        meta: JSON-able facts (epoch, world size, metrics, run id) for humans and keep-best.
+        files: extra text files rank 0 writes into the checkpoint (e.g. ``config.yaml``).
 
     Raises:
-        CheckpointError: on every rank, if any rank failed to write; earlier checkpoints are intact.
+        CheckpointError: on every rank, if any rank failed to write; earlier checkpoints are
+            intact. Also (before writing) if ``step``'s folder belongs to another run.
     """
     name = f"step_{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
@@ -276,21 +244,29 @@ def save_checkpoint(
     error = None
     if rank == 0:
         try:
+            owner = _run_id_of(final) if os.path.isdir(final) else None
+            if owner is not None and owner != meta.get("run_id"):
+                raise CheckpointError(f"{final} belongs to run {owner!r}, not this run "
+                                      f"({meta.get('run_id')!r}): refusing to overwrite it")
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a stale half-write from a crashed attempt
             os.makedirs(tmp)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             error = e
     if dist.any_rank(error is not None, device):
         raise CheckpointError(f"cannot create checkpoint folder {tmp}: {error}")
 
     try:
-        _fsync_write(os.path.join(tmp, f"rank{rank}.pt"), lambda f: torch.save(rank_state, f))
-        if optimizer_shard is not None:
-            _fsync_write(os.path.join(tmp, f"optimizer_rank{rank}.pt"), lambda f: torch.save(optimizer_shard, f))
+        for key, obj in per_rank.items():
+            if obj is not None:
+                state = obj.state_dict()
+                _fsync_write(os.path.join(tmp, f"{key}_rank{rank}.pt"), lambda f: torch.save(state, f))
         if rank == 0:
-            save_weights(model, os.path.join(tmp, "model.safetensors"))
-            _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(trainer_state, f))
+            save_weights(weights, os.path.join(tmp, "model.safetensors"))
+            state = {key: obj.state_dict() for key, obj in shared.items()}
+            _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(state, f))
+            for fname, text in (files or {}).items():
+                _fsync_write(os.path.join(tmp, fname), lambda f: f.write(text.encode()))
     except Exception as e:  # disk full, permissions, ...: agree on failure below
         error = repr(e)
         try:  # torch.save reports a full disk as "unexpected pos ...": say how much space was left
@@ -306,11 +282,13 @@ def save_checkpoint(
 
     if rank == 0:
         try:
-            meta = dict(meta, step=step, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            meta = dict(meta, step=step, world_size=dist.get_world_size(),
+                        per_rank=sorted(k for k, v in per_rank.items() if v is not None),
+                        saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
             _fsync_write(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
             _fsync_write(os.path.join(tmp, COMPLETE), lambda f: f.write(b"ok\n"))
             _fsync_dir(tmp)
-            if os.path.exists(final):  # same step saved twice (e.g. end of run right after a periodic save)
+            if os.path.exists(final):  # this run saved this step before (a periodic save, then the end)
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(root)
@@ -322,56 +300,146 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: str, world_size: int, rank: int) -> dict:
-    """Read a complete checkpoint for this rank.
-
-    Returns:
-        ``{"meta", "trainer", "rank", "optimizer_shard"}`` (weights are loaded separately with
-        :func:`load_weights`).
+def read_meta(path: str) -> dict:
+    """The ``meta.json`` of a complete checkpoint folder.
 
     Raises:
-        CheckpointError: not found, incomplete, or written with another world size.
+        CheckpointError: the path is missing, is not a checkpoint (a run folder, a checkpoints
+            folder, anything else: the message says which), is incomplete, or its meta.json
+            is damaged.
     """
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint not found: {path}")
     if not os.path.isfile(os.path.join(path, COMPLETE)):
-        raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): it was "
-                              "interrupted while being written; use an earlier one")
+        if list_complete(path) or list_complete(checkpoint_root(path)):
+            raise CheckpointError(f"{path} is a folder of checkpoints (or a run folder), not one checkpoint: "
+                                  f"pass one of its step_* folders, or resume=auto with this trainer.output_dir")
+        if _STEP_DIR.match(os.path.basename(os.path.normpath(path))) or os.path.basename(path).startswith(".tmp-"):
+            raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): it was "
+                                  "interrupted while being written; use an earlier one")
+        raise CheckpointError(f"{path} is not a ddptrain checkpoint (no {COMPLETE} marker, not a step_* folder)")
     try:
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         meta["world_size"]  # a damaged meta.json fails here, where the error can name the file
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: meta.json: {type(e).__name__}: {e}") from e
-    if meta["world_size"] != world_size:
-        raise CheckpointError(
-            f"checkpoint {path} was written by {meta['world_size']} processes, this run has "
-            f"{world_size}. The sampler position, RNG streams{' and ZeRO optimizer shards' if meta.get('zero') else ''} "
-            f"are per rank, so an exact resume needs the same world size. Relaunch with "
-            f"--nproc_per_node/--nnodes giving {meta['world_size']} processes, or start a new run "
-            f"from the weights only (ddptrain.load_weights on {os.path.join(path, 'model.safetensors')}).")
-    try:
-        out = {
-            "meta": meta,
-            "trainer": torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=False),
-            "rank": torch.load(os.path.join(path, f"rank{rank}.pt"), map_location="cpu", weights_only=False),
-            "optimizer_shard": None,
-        }
-        shard = os.path.join(path, f"optimizer_rank{rank}.pt")
-        if os.path.isfile(shard):
-            out["optimizer_shard"] = torch.load(shard, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
-    return out
+    return meta
 
 
-def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str) -> list[str]:
-    """Delete checkpoints outside keep-last-k and keep-best-k (rank 0 only). Returns deleted paths.
+def resolve(path: str) -> str:
+    """A checkpoint to resume from: ``path`` itself, or the newest complete checkpoint of a run
+    folder or checkpoints folder (said so by the caller's log line).
 
-    The newest complete checkpoint is never deleted, whatever the settings: it is the one a
-    restart resumes from.
+    Raises:
+        CheckpointError: see :func:`read_meta`.
     """
-    found = list_complete(root)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, COMPLETE)):
+        latest = find_latest(path) or find_latest(checkpoint_root(path))
+        if latest:
+            return latest
+    read_meta(path)
+    return path
+
+
+class _LazyRankStates:
+    """``old[k]``: rank ``k``'s saved state of one per-rank object, read from disk on access (a
+    ZeRO re-partition reads the old shards one at a time instead of all at once)."""
+
+    def __init__(self, path: str, key: str, world_size: int):
+        self.path, self.key, self.world_size = path, key, world_size
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __getitem__(self, k: int):
+        if not 0 <= k < self.world_size:
+            raise IndexError(k)
+        return _torch_load(os.path.join(self.path, f"{self.key}_rank{k}.pt"))
+
+
+def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) -> dict:
+    """Load a complete checkpoint's states into the stateful objects: the inverse of :func:`save`
+    (weights are read separately with :func:`read_weights`). Shared states are loaded first, so a
+    per-rank object may depend on one (the sampler position on the progress record).
+
+    A checkpoint written by another number of processes loads too, if every per-rank object in it
+    can move: each then gets ``load_resharded(old_states, meta)`` instead of ``load_state_dict``.
+
+    Returns:
+        The checkpoint's meta.json.
+
+    Raises:
+        CheckpointError: unreadable or incomplete checkpoint; a state missing from it, or one
+            that does not fit its object (the message names it); another world size with a
+            per-rank state that cannot move.
+    """
+    meta = read_meta(path)
+    old_world = int(meta["world_size"])
+    saved_per_rank = set(meta.get("per_rank", []))
+    if old_world != world_size:
+        stuck = [k for k in saved_per_rank if k in per_rank and not hasattr(per_rank[k], "load_resharded")]
+        if stuck:
+            raise CheckpointError(
+                f"checkpoint {path} was written by {old_world} processes, this run has {world_size}, and "
+                f"its per-rank state {', '.join(sorted(stuck))} cannot be re-partitioned (a plain sampler "
+                f"or loader has no global plan to re-deal). Relaunch with {old_world} processes, use "
+                f"DurationBucketSampler (build_dataloader), or start a new run from the weights only "
+                f"(ddptrain.load_weights on {os.path.join(path, 'model.safetensors')}).")
+    trainer_state = _torch_load(os.path.join(path, "trainer.pt"))
+    for key, obj in shared.items():
+        if key not in trainer_state:
+            raise CheckpointError(f"checkpoint {path} has no {key!r} state (trainer.pt holds {sorted(trainer_state)})")
+        try:
+            obj.load_state_dict(trainer_state[key])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path}: cannot load its {key!r} state: {type(e).__name__}: {e}") from e
+    for key, obj in per_rank.items():
+        if obj is None:
+            continue
+        if key not in saved_per_rank:
+            raise CheckpointError(f"checkpoint {path} has no per-rank {key!r} state (it holds "
+                                  f"{sorted(saved_per_rank) or 'none'})")
+        try:
+            if old_world == world_size:
+                obj.load_state_dict(_torch_load(os.path.join(path, f"{key}_rank{rank}.pt")))
+            else:
+                obj.load_resharded(_LazyRankStates(path, key, old_world), meta)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path}: cannot load its per-rank {key!r} state: "
+                                  f"{type(e).__name__}: {e}") from e
+    return meta
+
+
+def _torch_load(path: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
+
+
+def _run_id_of(path: str) -> Optional[str]:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str, run_id: str) -> list[str]:
+    """Delete this run's checkpoints outside keep-last-k and keep-best-k (rank 0 only).
+
+    Only checkpoints whose meta.json names ``run_id`` are candidates: another run's checkpoints
+    are never deleted. The newest complete checkpoint is never deleted, whatever the settings: it
+    is the one a restart resumes from. A checkpoint that cannot be deleted is warned about and
+    left (the new checkpoint is already safe; training goes on).
+
+    Returns:
+        The deleted paths.
+    """
+    found = [(s, p) for s, p in list_complete(root) if _run_id_of(p) == run_id]
     if keep_last <= 0 or len(found) <= 1:
         return []
     keep = {p for _, p in found[-keep_last:]}
@@ -389,87 +457,14 @@ def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str) -> 
         keep.update(p for _, p in sorted(scored)[:keep_best])
     deleted = []
     for _, p in found:
-        if p not in keep:
+        if p in keep:
+            continue
+        try:
             # remove the marker first: if we die mid-delete, the leftover is "incomplete", not "corrupt"
             os.remove(os.path.join(p, COMPLETE))
-            shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(p)
             deleted.append(p)
+        except OSError as e:
+            warnings.warn(f"could not delete old checkpoint {p} (keep_last/keep_best pruning): {e}; "
+                          "training continues, remove it by hand", stacklevel=2)
     return deleted
-
-
-# ------------------------------------------------------------------ a Trainer's state
-
-
-def save_trainer_state(trainer: "Trainer") -> str:
-    """Collective: write ``trainer``'s complete training state as its step's checkpoint.
-
-    What a bit-exact resume needs: the weights (the fp32 masters under ``trainer.param_dtype:
-    bf16``), the optimizer (under ZeRO each rank's own shard plus the param-group
-    hyperparameters), LR scheduler, precision (GradScaler) state, the loop's counters, and per
-    rank the RNG and sampler state. The DataLoader prefetches, so the sampler's own position runs
-    ahead of training: the saved position is what the loop consumed.
-
-    Returns:
-        The checkpoint's folder.
-    """
-    sampler = trainer._stateful_sampler()
-    sampler_state = None
-    if sampler is not None:
-        sampler_state = dict(sampler.state_dict(), position=trainer.batches_done, epoch=trainer.epoch)
-    opt = trainer.optimizer
-    zero = is_zero(opt)
-    trainer_state = {
-        "optimizer": None if zero else opt.state_dict(),
-        "zero_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if zero else None,
-        "scheduler": trainer.scheduler.state_dict(),
-        "precision": trainer.precision.state_dict(),
-        "counters": {"step": trainer.step, "epoch": trainer.epoch, "batches_done": trainer.batches_done,
-                     "unit_scale": trainer.unit_scale, "skipped_steps": trainer.skipped_steps},
-    }
-    rank_state = {"rng": rng_state(), "sampler": sampler_state}
-    metrics = trainer.last_eval if trainer.last_eval_step == trainer.step else {}
-    meta = {"epoch": trainer.epoch, "world_size": trainer.info.world_size, "zero": zero,
-            "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
-    weights = trainer.master.state_dict(trainer.module) if trainer.master else trainer.module
-    return save_checkpoint(trainer.ckpt_root, trainer.step, weights, trainer_state, rank_state,
-                           opt.optim.state_dict() if zero else None, meta, trainer.device)
-
-
-def restore_trainer_state(trainer: "Trainer", path: str) -> None:
-    """Load the checkpoint at ``path`` into ``trainer``: the inverse of :func:`save_trainer_state`.
-
-    The weights file is read once: its tensors fill the model and, under ``param_dtype: bf16``,
-    the fp32 masters at full precision. The RNG state is kept in ``trainer._resume_rng`` and set
-    when the first epoch iterator is made (see ``Trainer._epoch_iterator``).
-
-    Raises:
-        CheckpointError: unreadable or incomplete checkpoint, another world size under ZeRO, or a
-            ZeRO checkpoint resumed without ``optim.zero`` (or the reverse).
-    """
-    state = load_checkpoint(path, trainer.info.world_size, trainer.info.rank)
-    source, saved = read_weights(path)
-    apply_weights(trainer.module, source, saved, strict=True)
-    if trainer.master:
-        trainer.master.load_state_dict(saved, trainer.module)
-    tr = state["trainer"]
-    if is_zero(trainer.optimizer):
-        if state["optimizer_shard"] is None:
-            raise CheckpointError(f"{path} has no ZeRO optimizer shards; it was saved with optim.zero=false")
-        trainer.optimizer.optim.load_state_dict(state["optimizer_shard"])
-        for group, hparams in zip(trainer.optimizer.param_groups, tr["zero_param_groups"]):
-            group.update(hparams)
-    else:
-        if tr["optimizer"] is None:
-            raise CheckpointError(f"{path} holds ZeRO shards; set optim.zero=true to resume it")
-        trainer.optimizer.load_state_dict(tr["optimizer"])
-    trainer.scheduler.load_state_dict(tr["scheduler"])
-    trainer.precision.load_state_dict(tr["precision"])
-    c = tr["counters"]
-    trainer.step, trainer.epoch, trainer.batches_done = c["step"], c["epoch"], c["batches_done"]
-    trainer.unit_scale, trainer.skipped_steps = c["unit_scale"], c["skipped_steps"]
-    if trainer.batches_done >= trainer.batches_per_epoch:  # saved at an epoch's last batch
-        trainer.epoch, trainer.batches_done = trainer.epoch + 1, 0
-    sampler = trainer._stateful_sampler()
-    if sampler is not None and state["rank"]["sampler"] is not None:
-        sampler.load_state_dict(dict(state["rank"]["sampler"], epoch=trainer.epoch, position=trainer.batches_done))
-    trainer._resume_rng = state["rank"]["rng"]

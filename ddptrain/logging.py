@@ -3,6 +3,14 @@
 Every other rank gets a logger whose methods do nothing, so the training loop never branches on
 the rank to log. The JSONL file (one object per logged step, flushed at once) is the
 machine-readable record that tests and scripts read; TensorBoard is for people.
+
+A log file that cannot be written (a full disk, a vanished mount) never stops training: the
+logger prints one warning naming the file and the error, drops that sink, and goes on with the
+others. Checkpoints are what a run cannot lose, and their writes fail loudly on their own
+(checkpoint.py); a metrics line is not worth a day of training.
+
+The throughput window (loss, units/s, data wait between two logged steps) lives here too, so the
+loop only reports what each step did.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
+
+import torch
 
 from ddptrain.config import LoggingConfig
 
@@ -29,6 +39,10 @@ class RunLogger:
 
     def __init__(self, output_dir: str, cfg: LoggingConfig, enabled: bool, total_steps: int, start_step: int = 0):
         self.enabled = enabled
+        self.log_every = cfg.log_every
+        self.window = ThroughputWindow()
+        self.tb_path = os.path.join(output_dir, "tensorboard")
+        self.jsonl_path = ""
         self.tb = None
         self.jsonl = None
         self.bar = None
@@ -38,9 +52,10 @@ class RunLogger:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            self.tb = SummaryWriter(self.tb_path)
         if cfg.jsonl:
-            self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", buffering=1)
+            self.jsonl_path = os.path.join(output_dir, "metrics.jsonl")
+            self.jsonl = open(self.jsonl_path, "a", buffering=1)
         if cfg.progress_bar:
             from tqdm import tqdm
 
@@ -53,14 +68,47 @@ class RunLogger:
             return
         clean = {k: float(v) for k, v in scalars.items() if v is not None}
         if self.tb is not None:
-            for k, v in clean.items():
-                self.tb.add_scalar(f"{prefix}/{k}", v, step)
+            try:
+                for k, v in clean.items():
+                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+            except Exception as e:  # the writer thread re-raises its own write errors here
+                self._drop("tb", self.tb_path, e)
         if self.jsonl is not None:
             record = {"step": step, "split": prefix, "time": round(time.time(), 3)}
             record.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})
-            self.jsonl.write(json.dumps(record) + "\n")
+            try:
+                self.jsonl.write(json.dumps(record) + "\n")
+            except OSError as e:
+                self._drop("jsonl", self.jsonl_path, e)
         text = " ".join(f"{k}={_fmt(v)}" for k, v in clean.items())
         self.print(f"[{prefix} step {step}] {text}")
+
+    def step_done(self, step: int, loss_sum: float, units: float, wait_s: float, last: bool,
+                  extra: Callable[[], dict]) -> None:
+        """One optimizer step is done: feed the window and the progress bar; every
+        ``log_every`` steps (and at the last) log the window plus ``extra()``."""
+        self.window.add(loss_sum, units, wait_s)
+        self.advance(1, {"loss": loss_sum / max(units, 1e-9)})
+        if step % self.log_every == 0 or last:
+            self.log(step, {**self.window.scalars(), **extra()})
+
+    def _drop(self, sink: str, path: str, error: Exception) -> None:
+        self.print(f"WARNING: cannot write {path} ({type(error).__name__}: {error}); "
+                   f"training continues without it (checkpoints are unaffected)")
+        handle = getattr(self, sink)
+        setattr(self, sink, None)
+        try:
+            handle.close()
+        except Exception:  # noqa: BLE001 - the file is broken already; closing it may fail again
+            pass
+
+    def flush(self) -> None:
+        """Push buffered events to disk (after fit; the logger stays open for later evaluations)."""
+        if self.tb is not None:
+            try:
+                self.tb.flush()
+            except Exception as e:  # noqa: BLE001
+                self._drop("tb", self.tb_path, e)
 
     def advance(self, n: int = 1, postfix: Optional[dict] = None) -> None:
         if self.bar is not None:
@@ -79,15 +127,55 @@ class RunLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.tb is not None:
-            self.tb.flush()
-            self.tb.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+        self.flush()
+        for sink, path in (("tb", self.tb_path), ("jsonl", self.jsonl_path)):
+            if getattr(self, sink) is not None:
+                try:
+                    getattr(self, sink).close()
+                except Exception as e:  # noqa: BLE001
+                    self._drop(sink, path, e)
         self.bar = self.tb = self.jsonl = None
+
+
+class ThroughputWindow:
+    """Sums over the steps since the last logged one: loss, units, data wait, wall time."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = self.units = self.wait = 0.0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss_sum: float, units: float, wait_s: float) -> None:
+        self.loss += loss_sum
+        self.units += units
+        self.wait += wait_s
+        self.steps += 1
+
+    def scalars(self) -> dict:
+        """The window's loss per unit and rates; starts a new window."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        out = {"loss": self.loss / max(self.units, 1e-12), "steps_per_s": self.steps / elapsed,
+               "units_per_s": self.units / elapsed, "data_wait_frac": self.wait / elapsed}
+        self.reset()
+        return out
 
 
 def _fmt(v: float) -> str:
     if isinstance(v, float) and (abs(v) >= 1e4 or (0 < abs(v) < 1e-3)):
         return f"{v:.3e}"
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def data_scalars(sampler: Any, device: torch.device) -> dict:
+    """Peak GPU memory and the sampler's epoch statistics (padding, batch size, fill, balance)."""
+    out = {}
+    if device.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    stats = sampler.epoch_stats() if hasattr(sampler, "epoch_stats") else {}
+    for k in ("padding_fraction", "batch_size_mean", "budget_fill", "step_balance"):
+        if isinstance(stats.get(k), (int, float)):
+            out[f"data_{k}"] = stats[k]
+    return out

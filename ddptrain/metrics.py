@@ -38,3 +38,14 @@ def char_errors(refs: Sequence[str], hyps: Sequence[str]) -> tuple[int, int]:
     norm = lambda s: " ".join(s.split())  # noqa: E731
     errs = sum(edit_distance(norm(r), norm(h)) for r, h in zip(refs, hyps))
     return errs, sum(len(norm(r)) for r in refs)
+
+
+def reduce_ratios(sums: dict, device) -> dict:
+    """``{name: [numerator, denominator]}`` summed over all ranks -> ``{name: ratio}`` (NaN for a
+    zero denominator). Collective; names may differ between ranks (one with no batches)."""
+    from ddptrain import dist
+
+    # the same names in the same order on every rank, even one that had no batches
+    names = sorted(set().union(*dist.all_gather_object(sorted(sums))))
+    flat = dist.all_reduce_sum([v for k in names for v in sums.get(k, [0.0, 0.0])], device)
+    return {k: flat[2 * i] / flat[2 * i + 1] if flat[2 * i + 1] else float("nan") for i, k in enumerate(names)}

@@ -42,7 +42,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 no_decay.append(p)
             else:
                 decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # "decay" marks the group, so a resume can re-apply a changed weight_decay (apply_hparams)
+    groups = [{"params": decay, "weight_decay": weight_decay, "decay": True},
+              {"params": no_decay, "weight_decay": 0.0, "decay": False}]
     return [g for g in groups if g["params"]]
 
 
@@ -153,3 +155,75 @@ def lr_lambda(cfg: SchedulerConfig, total_steps: int) -> Callable[[int], float]:
 def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over :func:`lr_lambda`. The Trainer steps it only when the optimizer stepped."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+
+
+class ZeroShardState:
+    """A ZeroRedundancyOptimizer's local shard as a per-rank stateful object for checkpoints.
+
+    Each rank saves only its own partition's optimizer state, with the *global* index of every
+    parameter in it (its position in the optimizer's full parameter list, the same on every rank
+    and every world size). So a run resumed on another number of processes can re-partition:
+    each new rank reads the old shards one at a time and keeps the entries of its own parameters.
+    """
+
+    def __init__(self, optimizer):
+        self.zero = optimizer
+
+    def _global_index(self) -> list[int]:
+        full = {id(p): i for i, p in enumerate(p for g in self.zero.param_groups for p in g["params"])}
+        return [full[id(p)] for g in self.zero.optim.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        return {"shard": self.zero.optim.state_dict(), "global_index": self._global_index(),
+                "hparams": [{k: v for k, v in g.items() if k != "params"} for g in self.zero.param_groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.zero.optim.load_state_dict(state["shard"])
+        self._set_hparams(state["hparams"])
+
+    def load_resharded(self, old_states, meta: dict) -> None:
+        """Consolidate the old ranks' shards into this rank's new partition."""
+        mine = {g: i for i, g in enumerate(self._global_index())}
+        moved, hparams = {}, None
+        for k in range(len(old_states)):
+            old = old_states[k]
+            for local, g in enumerate(old["global_index"]):
+                if g in mine and local in old["shard"]["state"]:
+                    moved[mine[g]] = old["shard"]["state"][local]
+            hparams = old["hparams"]
+            del old  # one old shard in memory at a time
+        state = self.zero.optim.state_dict()  # this partition's param groups, local indices
+        state["state"] = moved
+        self.zero.optim.load_state_dict(state)
+        self._set_hparams(hparams)
+
+    def _set_hparams(self, hparams: list) -> None:
+        # the scheduler writes the learning rate into ZeRO's groups, which it copies to the shard's
+        for group, saved in zip(self.zero.param_groups, hparams):
+            group.update(saved)
+
+
+def apply_hparams(optimizer, scheduler, cfg: OptimConfig, sched_cfg: SchedulerConfig, horizon: int) -> None:
+    """After a resume: the config's hyperparameters over the checkpoint's, from this step on.
+
+    Loading an optimizer state restores its param groups' ``lr``, ``weight_decay``, betas, ...;
+    loading the LR scheduler restores its ``base_lrs``. The config is what the user asked for
+    now, so it wins (ddptrain/resume.py records what changed). The schedule keeps ``horizon``,
+    the total steps of the run that started it, so a longer ``max_steps`` does not re-stretch it.
+    """
+    for group in optimizer.param_groups:
+        if "betas" in group:
+            group["betas"] = tuple(cfg.betas)
+            group["eps"] = cfg.eps
+        if "momentum" in group:
+            group["momentum"], group["nesterov"] = cfg.momentum, cfg.nesterov
+        if "decay" in group:  # the no-decay group (biases, norms) stays at 0
+            group["weight_decay"] = cfg.weight_decay if group["decay"] else 0.0
+        group["initial_lr"] = cfg.lr
+    fn = lr_lambda(sched_cfg, horizon)
+    scheduler.lr_lambdas = [fn] * len(optimizer.param_groups)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    # the same expression LambdaLR.get_lr evaluates, so an unchanged config resumes bit for bit
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

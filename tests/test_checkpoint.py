@@ -65,7 +65,7 @@ def test_corrupt_weights_file_is_named(tmp_path):
 def test_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "step_00000001").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):
-        ckpt.load_checkpoint(str(tmp_path / "step_00000001"), 1, 0)
+        ckpt.read_meta(str(tmp_path / "step_00000001"))
 
 
 @pytest.mark.parametrize("meta", [None, '{"world_size": ', '{"step": 3}'])
@@ -76,7 +76,7 @@ def test_missing_or_damaged_meta_is_named(tmp_path, meta):
     if meta is not None:
         (step / "meta.json").write_text(meta)
     with pytest.raises(ckpt.CheckpointError, match=r"cannot read checkpoint .*step_00000001: meta.json"):
-        ckpt.load_checkpoint(str(step), 1, 0)
+        ckpt.read_meta(str(step))
 
 
 def test_prune_keeps_best_and_newest(tmp_path):

@@ -277,8 +277,7 @@ def _inf_worker(rank, world, out, variant):
     snapshots = []
     for i, mb in enumerate(data):
         before = params_of(model)
-        out_step = trainer.train_step([mb])
-        trainer.step += 1
+        out_step = trainer.train_step([mb])  # advances trainer.step itself
         changed = any(not torch.equal(before[k], v) for k, v in params_of(model).items())
         opt = trainer.optimizer.optim if is_zero(trainer.optimizer) else trainer.optimizer
         adam_steps = {float(st["step"]) for st in opt.state.values()}

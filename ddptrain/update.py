@@ -1,0 +1,109 @@
+"""The update of one optimizer step, after the backward: normalise, clip, skip or step.
+
+The loss contract makes every rank backpropagate ``unit_scale * loss_sum`` of its own
+micro-batches, and DDP averages the gradients over ranks. What the step needs is
+``sum over ranks (grad of loss_sum) / global units``; this module turns one into the other, clips
+by the global norm, and applies the step unless the loss or the gradients were non-finite (or
+there were no units at all). Everything is decided from one small all-reduce per step, and read
+on the host once (``report.tolist()``): the preemption flag and the loss_fn's unit checks travel
+in the same collective.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ddptrain.optim import is_zero, skips_on_device, step_unless
+from ddptrain.precision import MasterWeights, Precision
+
+
+class StepUpdate:
+    """Args:
+        optimizer: plain or ZeRO; with ``master``, it updates the fp32 masters.
+        precision: autocast / GradScaler policy (fp16 keeps GradScaler's own skip).
+        master: the :class:`MasterWeights` of a bf16 model, or None.
+        params: the model's trainable parameters (their ``.grad`` is what backward filled).
+        world_size: processes in the step's all-reduce (1 without a process group).
+        clip: ``trainer.clip_grad_norm`` (0 = off).
+        device: the training device.
+    """
+
+    def __init__(self, optimizer, precision: Precision, master: Optional[MasterWeights], params: list,
+                 world_size: int, clip: float, device: torch.device):
+        self.optimizer, self.precision, self.master, self.params = optimizer, precision, master, params
+        self.world_size, self.clip, self.device = world_size, clip, device
+        self._owned = ({id(p) for g in optimizer.optim.param_groups for p in g["params"]}
+                       if is_zero(optimizer) else None)  # the masters this rank updates
+        # A fused optimizer can skip a non-finite step on the device: the step is then queued
+        # before the host has read whether it was finite, and the GPU does not idle while the
+        # host launches it. fp16 keeps GradScaler's skip, other optimizers decide on the host.
+        self.on_device = precision.mode != "fp16" and skips_on_device(optimizer)
+
+    def __call__(self, loss_sum: torch.Tensor, units_dev: torch.Tensor, units_host: float,
+                 negative: torch.Tensor, preempt: bool, unit_scale: float) -> dict:
+        """All-reduce, normalise, clip and step (or skip); zero the gradients.
+
+        Args:
+            loss_sum, units_dev, negative: this rank's sums over its micro-batches (0-d float64
+                device tensors; ``negative`` counts micro-batches with a negative unit count).
+            units_host: the unit counts the loss_fn returned as host numbers.
+            preempt: this rank received a preemption signal.
+            unit_scale: the pre-scale the losses were multiplied by before backward.
+
+        Returns:
+            ``loss_sum``, ``units``, ``grad_norm``, ``negative`` (global, as floats),
+            ``preempt`` (any rank) and ``stepped``.
+        """
+        self.precision.unscale_(self.optimizer)  # fp16: true (unscaled) gradients from here on
+        grads = [p.grad for p in self.params if p.grad is not None]
+        f64 = dict(dtype=torch.float64, device=self.device)
+        raw_norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).double()
+                    if grads else torch.zeros((), **f64))
+        # Host values enter through torch.full, not torch.tensor: a copy from a host scalar would
+        # block the host until the backward has finished (a second sync per step, seen on a GPU).
+        flags = torch.stack([loss_sum, units_dev + torch.full((), units_host, **f64),
+                             torch.full((), float(preempt), **f64), raw_norm.to(self.device), negative])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(flags)
+        loss_t, units_t, stop_t, norm_sum, negative_t = flags.unbind()
+        # DDP has averaged the gradients, so every rank holds the same ones and the same norm
+        factor = self.world_size / (units_t.clamp_min(1e-12) * unit_scale)
+        norm_t = norm_sum / self.world_size * factor
+        finite_t = torch.isfinite(norm_t) & torch.isfinite(loss_t) & (units_t > 0)
+        if self.clip > 0:
+            factor = factor * torch.where(norm_t > self.clip, self.clip / (norm_t + 1e-6), 1.0)
+        report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), negative_t, factor])
+        if self.on_device:
+            self._scale_grads(grads, factor.float())
+            step_unless(self.optimizer, found_inf=(~finite_t).float())
+            if self.master:
+                self.master.copy_to_model()  # after a skip the masters are unchanged: a no-op copy
+            loss, units, stop, norm, finite, negative, _ = report.tolist()
+            stepped = finite > 0
+        else:
+            loss, units, stop, norm, finite, negative, factor = report.tolist()
+            stepped = False
+            if finite > 0:
+                self._scale_grads(grads, factor)
+                stepped = self.precision.step(self.optimizer)  # fp16: False if the scaler skipped it
+                if stepped and self.master:
+                    self.master.copy_to_model()
+            else:
+                self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master:
+            self.master.zero_model_grads()
+        return {"loss_sum": loss, "units": units, "grad_norm": norm, "negative": negative,
+                "preempt": stop > 0, "stepped": stepped}
+
+    def _scale_grads(self, grads: list, factor) -> None:
+        """Gradients (a float or a 0-d device tensor) x ``factor``; with masters, into their fp32
+        gradients (only this rank's shard under ZeRO)."""
+        if not grads:
+            return
+        if self.master:
+            self.master.load_grads(factor, self._owned)
+        else:
+            torch._foreach_mul_(grads, factor)
