@@ -63,9 +63,10 @@ class BatchFeatureExtractor(nn.Module):
     Its padded frames are model input (the log-mel of silence the model was trained on), so
     they are not zeroed, and ``data.normalize`` must be ``none``. T is always 3000; the frames
     of the real audio (``feature_lens``) are ``ceil(samples / hop)``, as in the Hugging Face
-    attention mask. The first T' frames of a window are the same whatever is cut after them,
-    so a model may be given ``features[:, :T']`` to skip trailing silence. Audio longer than
-    the window is an error: split it into 30 s chunks first.
+    attention mask. Only the frames that see the (padded) batch's samples are computed: the
+    rest are silence, one value per utterance, filled in. The first T' frames of a window are
+    the same whatever is cut after them, so a model may be given ``features[:, :T']`` to skip
+    trailing silence. Audio longer than the window is an error: split it into 30 s chunks first.
 
     Raises:
         ConfigError: a ``cfg`` value outside what ``load_config`` accepts (frames too short for
@@ -167,15 +168,25 @@ class BatchFeatureExtractor(nn.Module):
                 raise ValueError(f"whisper_logmel: an utterance of {longest / self.sample_rate:.2f}s is longer than "
                                  f"the {WHISPER_WINDOW_S} s window; split it into {WHISPER_WINDOW_S} s chunks first")
             audio = audio[:, :n]
-        audio = nn.functional.pad(audio.float(), (0, n - audio.shape[1]))
-        audio = audio * (torch.arange(n, device=audio.device)[None, :] < lens[:, None])  # silence after the end
+        # Frames past the batch's samples (+ one FFT and one hop, so the end's reflect padding
+        # mirrors zeros) are silence: log10 of the 1e-10 floor. Computing up to there gives the
+        # whole window's values; the silence is filled in below.
+        width = audio.shape[1] + self.n_fft + self.hop
+        cut = n if width >= n else width
+        frames_out = n // self.hop
+        audio = nn.functional.pad(audio.float(), (0, cut - audio.shape[1]))
+        audio = audio * (torch.arange(cut, device=audio.device)[None, :] < lens[:, None])  # silence after the end
         # fp32 throughout: called inside a bf16 autocast region on the GPU path, the mel product
         # would otherwise round the features the model was pretrained on
         with torch.autocast(audio.device.type, enabled=False):
             spec = torch.stft(audio, self.n_fft, self.hop, window=self.window, center=True, pad_mode="reflect",
-                              return_complex=True)[..., :-1].abs().pow(2)  # (B, n_fft//2+1, 3000)
+                              return_complex=True)[..., :frames_out].abs().pow(2)  # (B, n_fft//2+1, <= 3000)
             logmel = (self.mel_banks @ spec).clamp_min(1e-10).log10()
-            logmel = torch.maximum(logmel, logmel.amax(dim=(1, 2), keepdim=True) - 8.0)
+            floor = logmel.amax(dim=(1, 2), keepdim=True) - 8.0
+            logmel = torch.maximum(logmel, floor)
+            if logmel.shape[2] < frames_out:
+                silence = torch.maximum(floor, torch.full_like(floor, -10.0))
+                logmel = torch.cat([logmel, silence.expand(-1, logmel.shape[1], frames_out - logmel.shape[2])], 2)
             feats = ((logmel + 4.0) / 4.0).transpose(1, 2)
         frames = self.num_frames(lens)
         mask = torch.arange(feats.shape[1], device=audio.device)[None, :] >= frames[:, None]
