@@ -2,13 +2,13 @@
 
 Every training step ends in an all-reduce, so a step lasts as long as the costliest of its
 ``W`` batches and the other ranks idle for the difference. With ``c[s][r]`` the cost of rank
-``r``'s batch at step ``s`` (model FLOPs of the padded batch, ``bench_models.Flops``), the
+``r``'s batch at step ``s`` (model FLOPs of the padded batch, ``flops.Flops``), the
 scaling efficiency that the imbalance alone leaves is
 
     balance = sum_s mean_r c[s][r] / sum_s max_r c[s][r]
 
 (1.0 = no waiting). This script computes it over whole epochs of the benchmark's synthetic
-corpora (bench_models / examples/finetune_hf_model.py: wav2vec2 durations lognormal median 7 s,
+corpora (bench/workloads.py, examples/finetune_hf_model.py: wav2vec2 durations lognormal median 7 s,
 Whisper transcripts lognormal median 60 tokens, Conformer on the wav2vec2 durations) for several
 world sizes, with ``data.sync_buckets`` on and off, and for Whisper also the plain random
 batches the example used before (``DistributedSampler``). It assumes step time proportional to
@@ -20,7 +20,7 @@ makes it larger. The models are built on the meta device (parameter counts only)
     # your own data: the sampler's own cost model (padded seconds, + d^2/q with --quadratic)
     python bench/bench_balance.py --manifest train.jsonl --budget 200 --worlds 2,8
 
-Needs transformers for the wav2vec2 / Whisper rows (a benchmark dependency, as in bench_models);
+Needs transformers for the wav2vec2 / Whisper rows (a benchmark dependency, as in bench/workloads.py);
 the manifest mode needs only ddptrain.
 """
 
@@ -39,6 +39,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples"), os.path.join(HERE, "
 
 import ddptrain  # noqa: E402
 from ddptrain.data import DurationBucketSampler  # noqa: E402
+from ddptrain.data.sampler import padded_cost  # noqa: E402
 
 
 def batch_cost(workload: str, flops, lengths: np.ndarray, batch: np.ndarray) -> float:
@@ -47,7 +48,7 @@ def batch_cost(workload: str, flops, lengths: np.ndarray, batch: np.ndarray) -> 
     ``batch size x cost(longest)`` in padded seconds."""
     n, longest = len(batch), float(lengths[batch].max())
     if workload == "manifest":
-        return n * float(flops._cost(longest))
+        return n * float(padded_cost(longest, flops.quadratic_duration))
     if workload == "wav2vec2":
         return flops.wav2vec2(n, int(round(longest * 16000)))
     if workload == "whisper":
@@ -94,8 +95,8 @@ def random_costs(workload, flops, lengths, batch, world, epochs, seed=0) -> tupl
 
 def workload_samplers(workload: str, budget: float, batch: int):
     """(``samplers(world, sync)`` -> one batch sampler per rank, Flops): the very samplers the
-    benchmark's loaders use (``bench_models.make_loader``), so the plans cannot drift apart."""
-    from bench_models import build, make_loader
+    benchmark's loaders use (``workloads.make_loader``), so the plans cannot drift apart."""
+    from workloads import build, make_loader
 
     exp = {"batch": batch, "budget": budget, "workers": 0}
     with torch.device("meta"):

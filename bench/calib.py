@@ -1,5 +1,6 @@
-"""Measure this GPU's two ceilings once (METHOD.md): dense bf16 matmul rate and device-to-device copy
-bandwidth, on random data, timed with CUDA events (median of repeats). Prints one JSON line."""
+"""Measure this GPU's two ceilings: dense bf16 matmul rate and device-to-device copy bandwidth, on
+random data, timed with CUDA events (median of repeats). Prints one ``CALIB`` JSON line;
+``gpu_session.py`` runs it before a plan, so MFU can be read against what this GPU really reaches."""
 
 import json
 import statistics

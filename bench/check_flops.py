@@ -1,8 +1,8 @@
-"""Check bench_models.Flops (the analytic FLOPs behind the MFU numbers) against torch's
+"""Check flops.Flops (the analytic FLOPs behind the MFU numbers) against torch's
 FlopCounterMode on one CPU training step of small models (matmul/conv/attention FLOPs counted
-by the dispatcher). Run: PYTHONPATH=<transformers> python bench/check_flops.py
+by the dispatcher). Run: python bench/check_flops.py (needs transformers)
 
-Seen 2026-11-29 (torch 2.11, transformers 5.17): whisper ratio 1.003; wav2vec2 0.929, all of the
+Expected (torch 2.11, transformers 5.17 and 5.24): whisper ratio 1.003; wav2vec2 0.929, all of the
 gap in the grouped positional convolution, whose backward FlopCounterMode counts as 5x its forward
 (2x is right: input and weight gradients); matmul and attention terms agree.
 """
@@ -14,8 +14,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_models as bm  # noqa: E402
-import finetune_hf_model as fhm  # noqa: E402
+from flops import Flops  # noqa: E402
+from workloads import fhm  # noqa: E402
 
 
 def measured(model, loss_fn, batch):
@@ -38,7 +38,7 @@ def main():
     n = 3 * 16000 + 123
     batch = {"audio": torch.randn(2, n), "audio_lens": torch.tensor([n, n]),
              "tokens": torch.randint(1, 32, (2, 20)), "token_lens": torch.tensor([20, 20])}
-    m, a = measured(w, fhm.CTCLoss(w.config), batch), bm.Flops("wav2vec2", w).wav2vec2(2, n)
+    m, a = measured(w, fhm.CTCLoss(w.config), batch), Flops("wav2vec2", w).wav2vec2(2, n)
     print(f"wav2vec2: counted {m:.4g}  analytic {a:.4g}  ratio {a / m:.3f}")
 
     wh = WhisperForConditionalGeneration(WhisperConfig(
@@ -48,7 +48,7 @@ def main():
     L = 40
     batch = {"features": torch.randn(2, 3000, 16), "tokens": torch.randint(2, 1000, (2, L)),
              "token_lens": torch.tensor([L, L])}
-    m, a = measured(wh, fhm.Seq2SeqLoss(wh.config), batch), bm.Flops("whisper", wh).whisper(2, L)
+    m, a = measured(wh, fhm.Seq2SeqLoss(wh.config), batch), Flops("whisper", wh).whisper(2, L)
     print(f"whisper:  counted {m:.4g}  analytic {a:.4g}  ratio {a / m:.3f}")
 
 

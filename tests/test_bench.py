@@ -1,14 +1,16 @@
-"""The GPU benchmark tools still run: a tiny CPU dry run of the runner, failures reported.
+"""The benchmark tools still run: every bench module imports, every current plan constructs, a
+plan's Conformer jobs dry-run on CPU with tiny models, and failures are reported.
 
-A broken attribute in a peer (the deferred-sync prototype read ``Trainer._stop_requested`` long
-after it was gone) used to become an error row in a results file and an exit status of 0, so
-nothing noticed until a GPU session had been spent on it.
+Why: a broken attribute in a peer (the deferred-sync prototype read ``Trainer._stop_requested``
+long after it was gone) used to become an error row in a results file and an exit status of 0,
+so nothing noticed until a GPU session had been spent on it.
 """
 
+import importlib
 import json
 import os
-import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -16,53 +18,93 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 
-
-def run_bench(tmp_path, exps, workload="conformer"):
-    out = tmp_path / "r.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "bench_models.py"), "--workload", workload,
-                        "--preset", "tiny", "--warmup", "1", "--steps", "2", "--out", str(out),
-                        "--tmp", str(tmp_path / "t"), "--exps", json.dumps(exps)],
-                       env=env, capture_output=True, text=True, timeout=120)
-    rows = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    return p, rows
+MODULES = ["flops", "measure", "profiling", "workloads", "peers", "run", "gpu_session", "check_flops",
+           "bench_balance", "bench_padding", "bench_dataloading", "calib", "nccl_probe"]
 
 
-@pytest.mark.timeout(150)
-def test_tiny_dry_run_of_ddptrain_and_bare_has_no_error_rows(tmp_path):
-    exps = [{"name": "ddp", "peer": "ddptrain", "budget": 40, "workers": 0},
-            {"name": "bare", "peer": "bare", "budget": 40, "workers": 0}]
-    p, rows = run_bench(tmp_path, exps)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert [r["name"] for r in rows] == ["ddp", "bare"]
-    for r in rows:
+def rows(path):
+    return [json.loads(x) for x in open(path).read().splitlines() if x.strip()]
+
+
+def test_every_bench_module_imports():
+    for name in MODULES:
+        importlib.import_module(name)
+    listed = sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py"))
+    assert listed == sorted(MODULES), "a bench/ file was added or removed: list it here"
+
+
+def test_every_current_plan_constructs(tmp_path):
+    import gpu_session
+    from run import check_experiments
+
+    os.makedirs(tmp_path / "logs")
+    for plan, stages in gpu_session.PLANS.items():
+        assert stages and all(stages), f"plan {plan} has an empty stage"
+        for stage in stages:
+            for job in stage:
+                check_experiments(job.experiments())
+                for dry in (False, True):
+                    cmd = gpu_session.job_cmd(job, str(tmp_path), dry, 29500)
+                    assert os.path.join(BENCH, "run.py") in cmd and ("tiny" in cmd) == dry
+                    exps = json.load(open(tmp_path / "logs" / f"{job.label}.exps.json"))
+                    check_experiments(exps)
+                    assert [e["name"] for e in exps] == [e["name"] for e in job.exps]
+
+
+@pytest.mark.timeout(180)
+def test_dry_run_of_a_plans_conformer_jobs_on_cpu(tmp_path, capsys):
+    import gpu_session
+
+    rc = gpu_session.main(["peers1", "--dry", "--jobs", "cf*", "--out", str(tmp_path)])
+    if rc != 0:
+        with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+            logs = {m.name: tar.extractfile(m).read().decode()[-3000:] for m in tar.getmembers() if m.isfile()}
+        pytest.fail(f"the dry run failed; job logs:\n{json.dumps(logs, indent=1)}")
+    got = rows(tmp_path / "results.jsonl")
+    assert sorted(r["peer"] for r in got) == ["bare", "ddptrain"]
+    for r in got:
         assert "error" not in r, r["error"]
-        assert r["steps"] == 2 and r["samples_per_s"] > 0
+        assert r["workload"] == "conformer" and r["steps"] == 2 and r["samples_per_s"] > 0
+        assert r["gpu"] == "cpu" and r["torch"] and r["date"]
 
 
-@pytest.mark.timeout(150)
-def test_a_failed_experiment_is_a_nonzero_exit_and_an_error_row(tmp_path):
+def test_a_failed_experiment_is_an_error_row_and_exit_status_1(tmp_path):
+    import run
+
     exps = [{"name": "bad", "peer": "ddptrain", "budget": 40, "workers": 0, "ov": ["trainer.grad_accum_steps=0"]}]
-    p, rows = run_bench(tmp_path, exps)
-    assert p.returncode == 1
-    assert len(rows) == 1 and "grad_accum_steps" in rows[0]["error"]
+    out = tmp_path / "r.jsonl"
+    assert run.main(["--workload", "conformer", "--preset", "tiny", "--out", str(out), "--tmp", str(tmp_path),
+                     "--exps", json.dumps(exps)]) == 1
+    (row,) = rows(out)
+    assert row["name"] == "bad" and "grad_accum_steps" in row["error"]
 
 
 def test_removed_or_misspelt_experiment_keys_are_refused():
-    import bench_models
+    from run import check_experiments, load_experiments
 
     with pytest.raises(ValueError, match="x1: unknown experiment key.*deferred"):
-        bench_models.check_experiments([{"name": "x1", "peer": "ddptrain", "deferred": 1}])
-    with pytest.raises(ValueError, match="unknown peer"):
-        bench_models.check_experiments([{"name": "x2", "peer": "deepspeed2"}])
+        check_experiments([{"name": "x1", "peer": "ddptrain", "deferred": 1}])
+    with pytest.raises(ValueError, match="x2: unknown peer 'deepspeed2'"):
+        check_experiments([{"name": "x2", "peer": "deepspeed2"}])
+    with pytest.raises(ValueError, match="expected a JSON list"):
+        load_experiments('{"name": "x3", "peer": "bare"}')
 
 
-def test_every_plan_uses_known_experiment_keys():
-    import bench_models
+def test_plan_selection_names_what_does_not_exist():
     import gpu_session
 
-    for plan, stages in gpu_session.PLANS.items():
-        for stage in stages:
-            for job in stage:
-                defaults = job[7] if len(job) > 7 else {}
-                bench_models.check_experiments([dict(defaults, **e) for e in job[3]])
+    stages = gpu_session.PLANS["peers1"]
+    assert [j.label for s in gpu_session.select(stages, "", "cf*") for j in s] == ["cf_ddp", "cf_bare"]
+    with pytest.raises(ValueError, match="matches no job"):
+        gpu_session.select(stages, "", "nothing*")
+    with pytest.raises(ValueError, match="stages 0-0"):
+        gpu_session.select(stages, "3", "")
+
+
+def test_balance_tool_on_the_shipped_manifest(capsys):
+    import bench_balance
+
+    got = bench_balance.main(["--manifest", os.path.join(ROOT, "examples/data/digits/base/train.jsonl"),
+                              "--budget", "60", "--worlds", "2", "--epochs", "1"])
+    by_plan = {r["plan"]: r["balance"] for r in got}
+    assert 0 < by_plan["sync_buckets=false"] < by_plan["sync_buckets=true"] <= 1

@@ -1,0 +1,246 @@
+"""Timing, memory and GPU-sensor helpers every peer uses, and the one result row they produce.
+
+How a run is timed: ``W`` warm-up steps, then ``N`` timed steps. With ``replay: K`` the loader
+yields its first ``K`` batches, then the same ``K`` again (``ReplayLoader``), so every peer is
+timed in the steady state on identical batches. Step times come from host timestamps at each
+loss call (ddptrain) or each step (bare loop); the span of the timed steps is closed with a
+device synchronisation.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+from flops import PEAK_BF16
+
+
+def log(*a):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*a, flush=True)
+
+
+def world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def reduce(values: list[float], op: str = "sum") -> list[float]:
+    """All-reduce a few host floats over the ranks (sum or max); unchanged without a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
+def to_device(b, dev):
+    if isinstance(b, torch.Tensor):
+        return b.to(dev, non_blocking=True)
+    if isinstance(b, dict):
+        return {k: to_device(v, dev) for k, v in b.items()}
+    return b
+
+
+def mem_reset():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def mem_now() -> float:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0.0
+
+
+def mem_peak() -> dict:
+    if not torch.cuda.is_available():
+        return {"peak_alloc_gb": 0.0, "peak_reserved_gb": 0.0}
+    return {"peak_alloc_gb": float(torch.cuda.max_memory_allocated()),
+            "peak_reserved_gb": float(torch.cuda.max_memory_reserved())}
+
+
+class TimedLoader:
+    """Wraps a DataLoader: same ``len``/``batch_sampler``/``sampler``; records the host's wait for each batch."""
+
+    def __init__(self, loader):
+        self.loader, self.waits = loader, []
+        self.batch_sampler, self.sampler = loader.batch_sampler, loader.sampler
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            t = time.perf_counter()
+            try:
+                b = next(it)
+            except StopIteration:
+                return
+            self.waits.append(time.perf_counter() - t)
+            yield b
+
+
+class ReplayLoader:
+    """Yields the first ``k`` batches of ``loader``, then the same ``k`` batches again, forever.
+
+    Why: speech batches have new shapes all the time, and the first time a shape is seen cuDNN
+    (convolutions, its SDPA attention) builds an execution plan on the host. A training run
+    reaches the steady state where every (quantised) shape is cached; a 20-step benchmark does
+    not. Measuring the second pass over the same ``k`` batches times every peer in that steady
+    state, on identical batches. Batches stay pinned in host memory after the first pass.
+    """
+
+    def __init__(self, loader, k: int):
+        self.loader, self.k = loader, k
+        self.batch_sampler = self.sampler = None  # the Trainer treats it as a plain iterable
+        self.dataset = getattr(loader, "dataset", None)
+        self.waits = []
+
+    def __len__(self):
+        return 10 ** 6
+
+    def __iter__(self):
+        cache, it = [], iter(self.loader)
+        for _ in range(self.k):
+            t = time.perf_counter()
+            b = next(it)
+            self.waits.append(time.perf_counter() - t)
+            cache.append(b)
+            yield b
+        del it
+        while True:
+            for b in cache:
+                self.waits.append(0.0)
+                yield b
+
+
+class GpuSensors:
+    """This process's GPU as NVML reports it: SM clock, temperature, power, throttle reasons.
+
+    Why: a hot or power-capped GPU clocking down looks just like a slower step (and like a
+    communication overhead when a cold 1-GPU run is compared with a warm 2-GPU one). Sampled
+    once per step; off when NVML is not there (CPU, or no pynvml).
+    """
+
+    def __init__(self):
+        self.samples: list = []
+        self.ok = torch.cuda.is_available()
+
+    def sample(self) -> None:
+        if not self.ok:
+            return
+        try:
+            mask = 0
+            try:  # private helper: the NVML handle of the current device (honours CUDA_VISIBLE_DEVICES)
+                import pynvml
+
+                mask = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(torch.cuda._get_pynvml_handler())
+            except Exception:
+                pass
+            self.samples.append((torch.cuda.clock_rate(), torch.cuda.temperature(), torch.cuda.power_draw() / 1e3, mask))
+        except Exception as e:  # no NVML: say so once, then stop trying
+            log(f"GPU sensors off: {type(e).__name__}: {e}")
+            self.ok = False
+
+    def summary(self, i0: int, i1: int) -> dict:
+        got = [x for x in self.samples[i0:i1] if x]
+        if not got:
+            return {}
+        clocks = [c for c, _, _, _ in got]
+        mask = 0
+        for *_, m in got:
+            mask |= int(m)
+        # this rank's GPU only (no collective here: a rank without NVML must not hang the others)
+        return {"sm_clock_mhz": [min(clocks), round(sum(clocks) / len(clocks)), max(clocks)],
+                "gpu_temp_c": [got[0][1], got[-1][1]], "power_w_mean": round(sum(p for _, _, p, _ in got) / len(got)),
+                "throttle_reasons_mask": hex(mask)}
+
+
+class TimedLoss:
+    """Wraps the loss: records the host time and the batch stats at every call (= every step start)."""
+
+    def __init__(self, fn):
+        self.fn, self.calls, self.sensors = fn, [], GpuSensors()
+
+    def __call__(self, model, batch):
+        self.calls.append((time.perf_counter(), batch.get("stats", {})))
+        self.sensors.sample()
+        return self.fn(model, batch)
+
+
+class GcPauses:
+    """Records each Python garbage collection (host start time, generation, duration) while active.
+
+    Why: an automatic collection on one rank stalls every rank at the next all-reduce; this
+    shows whether the pauses land inside the timed steps (``trainer.gc_every_steps`` paces them).
+    """
+
+    def __init__(self):
+        self.events, self._start = [], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.events.append((self._start, info["generation"], time.perf_counter() - self._start))
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+    def summary(self, t0: float, t1: float) -> dict:
+        ev = [(g, d) for t, g, d in self.events if t0 <= t < t1]
+        return {"gc_count": len(ev), "gc_ms_total": round(1e3 * sum(d for _, d in ev), 1),
+                "gc_pauses_over_1ms": [[g, round(1e3 * d, 1)] for g, d in ev if d > 1e-3]}
+
+
+def summarize(exp, workload, ws, elapsed, stats, waits_s, step_times, mem, extra) -> dict:
+    """The result row of one experiment: throughput summed over ranks, memory maxed over ranks.
+
+    Args:
+        exp: the experiment (its name, peer, batch, budget, overrides are copied into the row).
+        workload: the workload name.
+        ws: world size.
+        elapsed: seconds of the timed steps on this rank (the row takes the slowest rank's).
+        stats: the timed batches' ``stats`` dicts (``workloads.StatsCollate``).
+        waits_s: seconds this rank waited for data during the timed steps.
+        step_times: seconds of each timed step ([] when the peer cannot see its steps).
+        mem: byte counts to report in GB, maxed over ranks.
+        extra: further keys for the row.
+    """
+    keys = ["n", "audio_s", "padded_s", "tokens", "flops"]
+    tot = [sum(float(s.get(k, 0)) for s in stats) for k in keys]
+    g = dict(zip(keys, reduce(tot, "sum")))
+    elapsed = reduce([elapsed], "max")[0]
+    wait = reduce([waits_s], "max")[0]
+    m = dict(zip(mem, reduce([mem[k] for k in mem], "max")))
+    per_gpu_tflops = g["flops"] / elapsed / ws / 1e12
+    return {
+        "workload": workload, "name": exp["name"], "peer": exp["peer"], "world_size": ws,
+        "batch": exp.get("batch"), "budget": exp.get("budget"), "ov": exp.get("ov", []),
+        "replay": exp.get("replay"), "sdpa": exp.get("sdpa", "default"),
+        "steps": len(stats), "elapsed_s": round(elapsed, 3),
+        "samples_per_s": g["n"] / elapsed, "audio_s_per_s": g["audio_s"] / elapsed,
+        "padded_s_per_s": g["padded_s"] / elapsed, "tokens_per_s": g["tokens"] / elapsed,
+        "padding_frac": 1 - g["audio_s"] / g["padded_s"] if g["padded_s"] else 0.0,
+        "samples_per_step_per_gpu": g["n"] / max(len(stats), 1) / ws,
+        "tflops_per_gpu": per_gpu_tflops, "mfu": per_gpu_tflops * 1e12 / PEAK_BF16,
+        "data_wait_frac": wait / elapsed, "step_ms_median": 1e3 * statistics.median(step_times) if step_times else None,
+        "step_ms_all": [round(1e3 * t, 1) for t in step_times],
+        **{k: round(v / 1e9, 3) for k, v in m.items()},
+        **extra,
+    }
