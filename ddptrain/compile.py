@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import ConfigError
-from ddptrain.recompute import _RecomputeForward, match_modules
+from ddptrain.submodules import instance_forward, match_modules
 
 if TYPE_CHECKING:
     from ddptrain.config import CompileConfig
@@ -73,9 +73,10 @@ def is_regional(cfg: "CompileConfig") -> bool:
 def apply_compile(model: nn.Module, cfg: "CompileConfig") -> list[str]:
     """Compile the submodules of ``model`` selected by ``cfg``, in place (regional compilation).
 
-    Apply it to the bare model *after* :func:`ddptrain.recompute.apply_recompute` and *before*
-    DDP. Only the instance's ``forward`` is replaced, so parameter names and ``state_dict()``
-    keys do not change and checkpoints load into an uncompiled model.
+    Apply it to the bare model *before* DDP, before or after
+    :func:`ddptrain.recompute.apply_recompute` (a recomputed block then runs the compiled forward
+    inside its checkpoint). Only the instance's ``forward`` is replaced, so parameter names and
+    ``state_dict()`` keys do not change and checkpoints load into an uncompiled model.
 
     Args:
         model: the model to modify.
@@ -86,7 +87,8 @@ def apply_compile(model: nn.Module, cfg: "CompileConfig") -> list[str]:
         The dotted names of the compiled modules.
 
     Raises:
-        ValueError: nothing matched (the message lists class names that exist).
+        ValueError: nothing matched (the message lists class names that exist), or a matched
+            module has an instance ``forward`` set by other code.
     """
     if not (cfg.enabled and is_regional(cfg)):
         return []
@@ -103,23 +105,7 @@ def apply_compile(model: nn.Module, cfg: "CompileConfig") -> list[str]:
         cls = type(module)
         if cls not in per_class:
             per_class[cls] = torch.compile(cls.forward, **opts)
-        wrapper = module.__dict__.get("forward")
-        if isinstance(wrapper, _RecomputeForward):
-            wrapper.compiled = per_class[cls]  # the recompute wrapper around it stays eager
-        else:
-            module.forward = _CompiledForward(module, per_class[cls])
+        # a recompute checkpoint around it (InstanceForward.around) stays eager
+        instance_forward(module, name).inner = per_class[cls]
         names.append(name)
     return names
-
-
-class _CompiledForward:
-    """Instance-level ``forward`` calling the class's compiled forward with this module.
-
-    Module hooks still run (eagerly) around it: ``nn.Module.__call__`` calls ``self.forward``.
-    """
-
-    def __init__(self, module: nn.Module, compiled: Any):
-        self.module, self.compiled = module, compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compiled(self.module, *args, **kwargs)

@@ -25,19 +25,18 @@ output structure (tuple, dict, ``ModelOutput``) passes through untouched.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
+from ddptrain.submodules import InstanceForward, instance_forward, match_modules, tidy_forward
+
 if TYPE_CHECKING:  # only its attributes are read; keeps this module free of the YAML stack
     from ddptrain.config import RecomputeConfig
 
-__all__ = ["checkpoint", "apply_recompute", "remove_recompute", "SavedBytes",
-           "saved_activation_bytes"]
+__all__ = ["checkpoint", "apply_recompute", "remove_recompute"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -61,8 +60,8 @@ class _SaveInputs(torch.autograd.Function):
 
     Saving them through autograd (not a Python list) means an in-place change to an input between
     forward and backward raises autograd's usual "modified by an inplace operation" error instead
-    of silently recomputing from wrong values, and outer saved-tensor hooks (e.g.
-    :class:`SavedBytes`) see them, because they *are* what checkpointing keeps in memory.
+    of silently recomputing from wrong values, and outer saved-tensor hooks (e.g. a memory
+    count) see them, because they *are* what checkpointing keeps in memory.
     """
 
     @staticmethod
@@ -201,27 +200,16 @@ def checkpoint(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-class _RecomputeForward:
-    """Instance-level ``forward`` routing a module's call through :func:`checkpoint`.
-
-    A callable object rather than a closure so ``copy.deepcopy(model)`` (EMA copies) gets a
-    wrapper pointing at the copy, not at the original module.
-    """
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.compiled: Optional[Callable] = None  # set by ddptrain.compile: the class forward, compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = functools.partial(self.compiled or type(self.module).forward, self.module)
-        if self.module.training and torch.is_grad_enabled():
-            return checkpoint(forward, *args, **kwargs)
-        return forward(*args, **kwargs)  # eval / no_grad: nothing to save, nothing to recompute
+def _checkpoint_in_training(module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The ``around`` of a recomputed module's :class:`~ddptrain.submodules.InstanceForward`."""
+    if module.training and torch.is_grad_enabled():
+        return checkpoint(forward, *args, **kwargs)
+    return forward(*args, **kwargs)  # eval / no_grad: nothing to save, nothing to recompute
 
 
-def _has_forward(module: nn.Module) -> bool:
-    # Containers (ModuleList, ModuleDict) are never called; wrapping one would hide its children.
-    return type(module).forward is not nn.Module.forward
+def _is_recomputed(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, InstanceForward) and forward.around is _checkpoint_in_training
 
 
 def apply_recompute(model: nn.Module, cfg: "RecomputeConfig") -> list[str]:
@@ -251,44 +239,17 @@ def apply_recompute(model: nn.Module, cfg: "RecomputeConfig") -> list[str]:
         return []
     if cfg.every_k < 1:
         raise ValueError(f"recompute.every_k must be >= 1, got {cfg.every_k}")
-    if any(isinstance(m.__dict__.get("forward"), _RecomputeForward) for m in model.modules()):
+    if any(_is_recomputed(m) for m in model.modules()):
         raise ValueError("model already has recompute applied; call remove_recompute() first")
     matched = match_modules(model, cfg.module_classes, cfg.name_globs, "recompute")
     chosen = matched[:: cfg.every_k]
-    for _, module in chosen:
-        module.forward = _RecomputeForward(module)
+    for name, module in chosen:
+        instance_forward(module, name).around = _checkpoint_in_training
     return [name for name, _ in chosen]
 
 
-def match_modules(model: nn.Module, module_classes: Iterable[str], name_globs: Iterable[str],
-                  what: str) -> list[tuple[str, nn.Module]]:
-    """The ``(name, module)`` pairs selected by class name or dotted-name glob, outermost only.
-
-    Shared by recompute and regional compilation (:mod:`ddptrain.compile`) so both config
-    sections select modules the same way. Containers without a ``forward`` are never selected,
-    and a match nested inside an earlier match is skipped.
-
-    Raises:
-        ValueError: nothing matched; the message names the patterns, ``what`` (the config
-            section) and some class names that do exist in the model.
-    """
-    classes, globs = set(module_classes), list(name_globs)
-    matched: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not _has_forward(module) or any(name.startswith(p + ".") or p == "" for p, _ in matched):
-            continue
-        if type(module).__name__ in classes or any(fnmatch.fnmatchcase(name, g) for g in globs):
-            matched.append((name, module))
-    if not matched:
-        present = sorted({type(m).__name__ for m in model.modules()})[:20]
-        raise ValueError(f"{what} is enabled but no module matched module_classes="
-                         f"{sorted(classes)} name_globs={globs}; class names in this model "
-                         f"include {present}")
-    return matched
-
-
 def remove_recompute(model: nn.Module) -> list[str]:
-    """Undo :func:`apply_recompute`: restore the class ``forward`` of every wrapped module.
+    """Undo :func:`apply_recompute`: wrapped modules run their forward without checkpointing again.
 
     Args:
         model: a model previously passed to :func:`apply_recompute` (anything else is a no-op).
@@ -298,59 +259,8 @@ def remove_recompute(model: nn.Module) -> list[str]:
     """
     names = []
     for name, module in model.named_modules():
-        if isinstance(module.__dict__.get("forward"), _RecomputeForward):
-            del module.__dict__["forward"]
+        if _is_recomputed(module):
+            module.forward.around = None
+            tidy_forward(module)  # a compiled forward (ddptrain.compile) stays
             names.append(name)
     return names
-
-
-class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Context manager counting the bytes autograd saves for backward inside it.
-
-    Storages are counted once however many views of them are saved (a layer's output saved by the
-    next layer's norm and its residual add costs memory once). Saved tensors are kept referenced
-    until the context exits, so a freed storage's address cannot be reused and be miscounted.
-    Inside a :func:`checkpoint` region only what the checkpoint keeps (its inputs) is counted,
-    which is exactly the memory that stays alive.
-
-    Args:
-        ignore: tensors whose storages are not counted, typically ``model.parameters()``
-            (weights are saved by every matmul but exist whether or not we checkpoint).
-    """
-
-    def __init__(self, ignore: Iterable[torch.Tensor] = ()):
-        self.nbytes = 0
-        self._seen = {t.untyped_storage().data_ptr() for t in ignore}
-        self._keep: list[torch.Tensor] = []
-        super().__init__(self._pack, lambda t: t)
-
-    def __enter__(self) -> "SavedBytes":
-        super().__enter__()
-        return self
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
-            self.nbytes += storage.nbytes()
-            self._keep.append(t)
-        return t
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._keep.clear()
-
-
-def saved_activation_bytes(fn: Callable[[], Any], ignore: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of (distinct) tensors autograd saves for backward while running ``fn()``.
-
-    Args:
-        fn: a zero-argument callable, e.g. ``lambda: model(x)``.
-        ignore: tensors not to count (see :class:`SavedBytes`).
-
-    Returns:
-        The byte count.
-    """
-    with SavedBytes(ignore) as counter:
-        fn()
-    return counter.nbytes

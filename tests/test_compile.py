@@ -20,7 +20,7 @@ import ddptrain
 
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import CompileConfig, ConfigError, RecomputeConfig
-from ddptrain.recompute import apply_recompute
+from ddptrain.recompute import apply_recompute, remove_recompute
 from _dist import run_ranks
 from test_recompute import TinyTransformer, _grads
 from test_trainer import FrameMLP, concat, frame_loss, make_cfg, micro_batches, params_of
@@ -73,13 +73,41 @@ def test_compiled_inside_recompute_equals_compiled_without_recompute():
     both = copy.deepcopy(base)
     assert len(apply_recompute(both, RecomputeConfig(enabled=True, module_classes=["Block"]))) == 4
     apply_compile(both, _cfg(module_classes=["Block"]))
-    assert all(both.layers[i].forward.compiled is not None for i in range(4))
+    assert all(layer.forward.inner is not type(layer).forward for layer in both.layers)
     feats = torch.randn(2, 7, 8)
     torch._dynamo.utils.counters.clear()
     want, got = _grads(compiled, _loss(feats), seed=3), _grads(both, _loss(feats), seed=3)
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > 0
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+def test_recompute_applied_after_compile_keeps_the_compiled_forward():
+    torch.manual_seed(0)
+    base = TinyTransformer().train()
+    compiled = copy.deepcopy(base)
+    apply_compile(compiled, _cfg(module_classes=["Block"]))
+    later = copy.deepcopy(base)
+    apply_compile(later, _cfg(module_classes=["Block"]))
+    apply_recompute(later, RecomputeConfig(enabled=True, module_classes=["Block"]))
+    assert all(layer.forward.inner is not type(layer).forward and layer.forward.around is not None
+               for layer in later.layers)
+    feats = torch.randn(2, 7, 8)
+    want, got = _grads(compiled, _loss(feats), seed=3), _grads(later, _loss(feats), seed=3)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    assert remove_recompute(later) == [f"layers.{i}" for i in range(4)]
+    assert all(layer.forward.around is None and layer.forward.inner is not type(layer).forward
+               for layer in later.layers)  # still compiled
+
+
+def test_a_forward_set_by_other_code_is_not_silently_replaced():
+    model = TinyTransformer()
+    model.layers[1].forward = lambda *a, **k: None  # e.g. a hook library's own wrapper
+    with pytest.raises(ValueError, match="'layers.1' already has an instance-level forward"):
+        apply_compile(model, _cfg(module_classes=["Block"]))
+    with pytest.raises(ValueError, match="'layers.1' already has an instance-level forward"):
+        apply_recompute(model, RecomputeConfig(enabled=True, name_globs=["layers.1"]))
 
 
 def test_deepcopy_of_compiled_recompute_model_uses_its_own_weights():

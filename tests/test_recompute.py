@@ -21,9 +21,9 @@ import torch.multiprocessing as mp
 import torch.utils.checkpoint
 from torch import nn
 
+from _saved_bytes import SavedBytes, saved_activation_bytes
 from ddptrain.config import RecomputeConfig
-from ddptrain.recompute import (SavedBytes, apply_recompute, checkpoint, remove_recompute,
-                                saved_activation_bytes)
+from ddptrain.recompute import apply_recompute, checkpoint, remove_recompute
 
 
 class Block(nn.Module):
