@@ -429,3 +429,31 @@ def test_loader_workers_keep_automatic_gc(tmp_path):
     cfg = make_cfg(tmp_path, "trainer.max_epochs=1", "checkpoint.save_at_end=false")
     ddptrain.Trainer(FrameMLP(), loss, cfg, loader).fit()
     assert seen == [True] * len(data)
+
+
+def test_host_unit_counts_are_not_copied_to_the_device_per_micro_batch(tmp_path):
+    """A loss_fn returning a Python int (the minimal example does): the step must not turn it
+    into a tensor from host data (on a GPU a blocking host-to-device copy per micro-batch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostTensors(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.lift_fresh.default:  # a tensor made from host data
+                HostTensors.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path, "trainer.max_steps=3")
+    trainer = ddptrain.Trainer(FrameMLP(), lambda m, b: (frame_loss(m, b)[0], int(b["lens"].sum())), cfg,
+                               micro_batches(1)[0])
+    batch = micro_batches(1)[0][0]
+    trainer.train_step([batch])  # the first step makes the optimizer's state
+    counts = []
+    for n in (1, 4):
+        HostTensors.count = 0
+        with HostTensors():
+            trainer.train_step([batch] * n)
+        counts.append(HostTensors.count)
+    assert counts[0] == counts[1], f"host-made tensors per step grow with micro-batches: {counts}"

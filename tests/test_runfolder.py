@@ -1,0 +1,114 @@
+"""A run owns its folder (ddptrain/runfolder.py): the lock, run ids, and no silent reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import ddptrain
+from ddptrain import checkpoint as ckpt
+from ddptrain.runfolder import FolderLock
+from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+
+
+def _trainer(tmp, *extra):
+    torch.manual_seed(0)
+    return ddptrain.Trainer(FrameMLP(), frame_loss, make_cfg(tmp, "trainer.max_steps=4", *extra), micro_batches(2)[0])
+
+
+def test_a_second_run_on_a_held_folder_is_refused(tmp_path):
+    lock = FolderLock(str(tmp_path))
+    with pytest.raises(ckpt.CheckpointError, match=rf"in use by another run \(.*\"pid\": {os.getpid()}"):
+        _trainer(tmp_path)
+    lock.release()
+    _trainer(tmp_path).fit()  # free again
+
+
+def test_the_lock_dies_with_its_process(tmp_path):
+    holder = textwrap.dedent(f"""
+        import os, sys
+        from ddptrain.runfolder import FolderLock
+        lock = FolderLock({str(tmp_path)!r})
+        print("held", flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    out = subprocess.run([sys.executable, "-c", holder], capture_output=True, text=True, timeout=60)
+    assert "held" in out.stdout and out.returncode == -9
+    _trainer(tmp_path).fit()
+
+
+def test_a_new_run_in_another_runs_folder_is_refused_then_archived_on_request(tmp_path):
+    _trainer(tmp_path, "checkpoint.every_steps=2").fit()
+    old = sorted(os.listdir(tmp_path / "checkpoints"))
+    with pytest.raises(ckpt.CheckpointError, match="holds another run's checkpoints.*checkpoint.resume=auto"
+                                                   ".*checkpoint.start_over=true"):
+        _trainer(tmp_path)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == old  # nothing touched
+    _trainer(tmp_path, "checkpoint.start_over=true", "checkpoint.every_steps=2").fit()
+    archived = list((tmp_path / "archive").iterdir())
+    assert len(archived) == 1 and sorted(os.listdir(archived[0] / "checkpoints")) == old
+    ids = {json.load(open(p / "meta.json"))["run_id"] for p in (tmp_path / "checkpoints").iterdir()}
+    assert len(ids) == 1 and ids.isdisjoint({json.load(open(archived[0] / "checkpoints" / o / "meta.json"))["run_id"]
+                                             for o in old})
+
+
+def test_resume_keeps_the_run_id_and_prune_spares_other_runs(tmp_path):
+    _trainer(tmp_path, "checkpoint.every_steps=1", "checkpoint.keep_last=0").fit()
+    root = tmp_path / "checkpoints"
+    foreign = root / "step_00000001"
+    meta = json.load(open(foreign / "meta.json"))
+    run_id = meta["run_id"]
+    meta["run_id"] = "someone-else"
+    (foreign / "meta.json").write_text(json.dumps(meta))
+    t = _trainer(tmp_path, "checkpoint.resume=auto", "trainer.max_steps=6", "checkpoint.every_steps=1",
+                 "checkpoint.keep_last=1")
+    assert t.progress.run_id == run_id
+    t.fit()
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000006"]  # the foreign one is left alone
+
+
+def test_save_refuses_to_overwrite_another_runs_checkpoint(tmp_path):
+    t = _trainer(tmp_path, "checkpoint.every_steps=2")
+    t.fit()
+    t.progress.run_id = "intruder"
+    with pytest.raises(ckpt.CheckpointError, match="belongs to run"):
+        t.save()  # step 4 exists, written by the real run
+
+
+def test_prune_failure_warns_and_training_goes_on(tmp_path, monkeypatch):
+    real = ckpt.shutil.rmtree
+
+    def stuck(path, *a, **k):
+        if os.path.basename(str(path)).startswith("step_"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", stuck)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = _trainer(tmp_path, "checkpoint.every_steps=1", "checkpoint.keep_last=1")
+        t.fit()
+    assert t.step == 4
+    assert any("could not delete old checkpoint" in str(w.message) and "step_0000000" in str(w.message)
+               for w in caught)
+
+
+def test_resume_paths_say_what_they_are(tmp_path):
+    _trainer(tmp_path / "a", "checkpoint.every_steps=2").fit()
+    # a run folder resumes from its newest complete checkpoint
+    t = _trainer(tmp_path / "b", f"checkpoint.resume={tmp_path / 'a'}", "trainer.max_steps=5")
+    assert t.step == 4
+    t.close()
+    (tmp_path / "a" / "checkpoints" / ".tmp-step_00000009").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="interrupted while being written"):
+        _trainer(tmp_path / "c", f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / '.tmp-step_00000009'}")
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="is not a ddptrain checkpoint"):
+        _trainer(tmp_path / "d", f"checkpoint.resume={tmp_path / 'junk'}")
