@@ -163,9 +163,6 @@ def run_hf(workload, preset, exp, W, N, tmp, mode: str = "eager") -> dict:
     Raises:
         RuntimeError: ``ds2`` without deepspeed installed, or ``conformer`` (not an HF model).
     """
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from transformers.trainer_pt_utils import LengthGroupedSampler
-
     if workload == "conformer":
         raise RuntimeError("the HF peers train HF models (wav2vec2, whisper), not the Conformer")
     if mode == "ds2":
@@ -173,6 +170,9 @@ def run_hf(workload, preset, exp, W, N, tmp, mode: str = "eager") -> dict:
             import deepspeed  # noqa: F401
         except ImportError as e:
             raise RuntimeError("peer hf_ds2 needs deepspeed, which is not installed here") from e
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
     rank, ws, local = world()
     dev = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     module, _, flops = build(workload, preset, exp, dev)

@@ -7,6 +7,7 @@ so nothing noticed until a GPU session had been spent on it.
 """
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -88,6 +89,16 @@ def test_removed_or_misspelt_experiment_keys_are_refused():
         check_experiments([{"name": "x2", "peer": "deepspeed2"}])
     with pytest.raises(ValueError, match="expected a JSON list"):
         load_experiments('{"name": "x3", "peer": "bare"}')
+
+
+def test_hf_peers_say_what_they_cannot_run():
+    import peers
+
+    with pytest.raises(RuntimeError, match="not the Conformer"):
+        peers.PEERS["hf"]("conformer", "tiny", {"name": "x", "peer": "hf"}, 1, 2, "/tmp")
+    if importlib.util.find_spec("deepspeed") is None:
+        with pytest.raises(RuntimeError, match="needs deepspeed"):
+            peers.PEERS["hf_ds2"]("whisper", "tiny", {"name": "x", "peer": "hf_ds2"}, 1, 2, "/tmp")
 
 
 def test_plan_selection_names_what_does_not_exist():
