@@ -1,0 +1,498 @@
+"""Fine-tune GLM-ASR-Nano-2512 (audio encoder + projector + Llama decoder) with ddptrain.Trainer.
+
+The model is ``transformers.GlmAsrForConditionalGeneration`` (transformers >= 5) from a folder you
+downloaded (config, tokenizer files, safetensors); nothing is fetched. transformers is a
+dependency of this recipe only, never of ddptrain.
+
+    # one GPU, your manifests, the default set-up (30 s windows, bf16 weights + fp32 masters)
+    python examples/finetune_glmasr.py --config configs/glmasr.yaml glmasr.path=/models/GLM-ASR-Nano-2512 \\
+        data.train_manifest=train.jsonl data.eval_manifest=dev.jsonl
+    # 8 GPUs; encoder frozen (only the projector and the LLM train)
+    torchrun --nproc_per_node=8 examples/finetune_glmasr.py --config configs/glmasr.yaml \\
+        glmasr.path=/models/GLM-ASR-Nano-2512 data.train_manifest=train.jsonl glmasr.freeze_encoder=true
+    # the encoder on the batch's length instead of 30 s windows (faster; see below)
+    python examples/finetune_glmasr.py --config configs/glmasr.yaml ... glmasr.encoder_length=batch
+
+What a step sees, per utterance: ``prompt before | one placeholder per audio embedding | prompt
+after | transcript | EOS``; the loss is the cross-entropy of the transcript tokens and the EOS
+only, summed, with their count as the units (ddptrain's loss contract), so the prompt never
+enters the loss. ``glmasr.prompt`` is the template, ``{audio}`` marking the placeholders; its
+default is the one of the upstream inference code (zai-org/GLM-ASR).
+
+Audio: manifests (``data.train_manifest``), soundfile + resampling to 16 kHz, Whisper's 128-bin
+log-mel (``data.features: whisper_logmel``, in the loader workers or on the GPU with
+``data.feature_device: gpu``). Longer than 30 s: cut into 30 s chunks as the HF processor does
+(``glmasr.long_audio: split``) or refused before training with the manifest line named
+(``refuse``). Batches: ``data.max_duration`` padded seconds per batch, where an utterance costs
+whole 30 s windows (``encoder_length: window``) or its duration (``batch``), plus
+``glmasr.max_tokens`` decoder positions (B x the longest decoder sequence); both are bucket keys.
+
+``glmasr.encoder_length: window`` (default) runs the encoder on 30 s windows, the input it was
+pretrained on. ``batch`` cuts the windows to the batch's longest chunk (rounded up to 8 frames):
+the encoder has rotary positions, so shorter inputs are valid and much cheaper, but an encoder
+pretrained on 30 s windows then sees less trailing silence than it knows; it changes the input
+distribution. Keep ``window`` for fine-tuning a pretrained checkpoint unless you have measured
+that ``batch`` does no harm on your data.
+
+Evaluation: the eval loss, and WER/CER of greedy decoding (HF ``generate``; batched,
+length-sorted, each rank its own shard; error counts summed over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ddptrain  # noqa: E402
+from ddptrain import metrics  # noqa: E402
+from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem  # noqa: E402
+from ddptrain.data.dataset import BadExample, SpeechDataset  # noqa: E402
+from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
+                           load_hf_model)
+
+DEFAULT_PROMPT = "<|user|>\n<|begin_of_audio|>{audio}<|end_of_audio|><|user|>\nPlease transcribe this audio into text<|assistant|>\n"
+AUDIO_TOKEN = "<|pad|>"  # the tokenizer's name of config.audio_token_id in the released model
+
+
+@dataclass
+class GlmAsrRecipeConfig:
+    path: str = ""  # local model folder (config.json, safetensors, tokenizer files); "" = random init from preset
+    preset: str = "published"  # random init: published (the released layout, 2.1B) | tiny (tests)
+    tokenizer: str = ""  # tokenizer folder; "" = path
+    attn_implementation: str = "sdpa"  # sdpa | eager (| flash_attention_2 where installed)
+    prompt: str = DEFAULT_PROMPT  # text around the audio; {audio} marks the placeholders
+    eos_token: str = ""  # ends every transcript (and generation); "" = the tokenizer's eos_token
+    encoder_length: str = "window"  # window (30 s, as pretrained) | batch (the batch's longest chunk, a multiple of 8 frames)
+    long_audio: str = "split"  # split (30 s chunks, as the HF processor) | refuse (an error naming the manifest line)
+    freeze_encoder: bool = False  # keep the audio encoder fixed; the projector and the LLM train
+    max_tokens: int = 0  # decoder positions per batch: B x longest prompt+audio+transcript <= this; 0 = no limit
+    token_pad_multiple: int = 8  # pad the decoder length to a multiple of this (fewer distinct shapes)
+    generate_eval: bool = True  # eval: WER/CER of greedy decoding (else the loss only)
+    max_new_tokens: int = 200  # generation stops after this many tokens
+    export_dir: str = ""  # at the end, save the model + tokenizer here as a HF folder (from_pretrained)
+    # synthetic corpus when data.train_manifest is "" (benchmarks, smoke tests): random audio and token ids
+    synthetic_utterances: int = 2000  # corpus size
+    synthetic_median_s: float = 7.0  # lognormal durations: median
+    synthetic_sigma: float = 0.5  # lognormal sigma
+    synthetic_min_s: float = 1.0  # durations clipped to [min, max]
+    synthetic_max_s: float = 30.0
+    synthetic_tokens_per_s: float = 3.0  # transcript tokens per second of audio
+
+
+@dataclass
+class RecipeConfig(ddptrain.Config):
+    glmasr: GlmAsrRecipeConfig = field(default_factory=GlmAsrRecipeConfig)
+
+
+_CHOICES = {"preset": ("published", "tiny"), "encoder_length": ("window", "batch"), "long_audio": ("split", "refuse")}
+
+
+def check_recipe_config(g: GlmAsrRecipeConfig, data) -> None:
+    """Raises:
+        ddptrain.ConfigError: a bad value, naming the key.
+    """
+    for key, allowed in _CHOICES.items():
+        if getattr(g, key) not in allowed:
+            raise ddptrain.ConfigError(f"glmasr.{key}={getattr(g, key)!r} is not one of {', '.join(allowed)}")
+    if g.prompt.count("{audio}") != 1:
+        raise ddptrain.ConfigError("glmasr.prompt must contain {audio} exactly once (where the audio placeholders go)")
+    if data.features != "whisper_logmel" or data.normalize != "none":
+        raise ddptrain.ConfigError("GLM-ASR takes Whisper's log-mel: set data.features=whisper_logmel and "
+                                   "data.normalize=none (configs/glmasr.yaml does)")
+    if g.token_pad_multiple < 1 or g.max_tokens < 0 or g.max_new_tokens < 1:
+        raise ddptrain.ConfigError("glmasr.token_pad_multiple and glmasr.max_new_tokens must be >= 1, "
+                                   "glmasr.max_tokens >= 0")
+
+
+# ---------------------------------------------------------------------------------- prompt + tokens
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """Token ids around the audio placeholders, and the special ids the batches need."""
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+    audio_token_id: int
+    eos_id: int
+    pad_id: int
+    eos_ids: tuple[int, ...]  # any of these ends a generated transcript
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, model_config, template: str, eos_token: str = "") -> "PromptLayout":
+        before, after = template.split("{audio}")
+        enc = lambda s: tuple(tokenizer.encode(s, add_special_tokens=False)) if s else ()  # noqa: E731
+        eos = eos_token or tokenizer.eos_token
+        if not eos:
+            raise ddptrain.ConfigError("the tokenizer has no eos_token: set glmasr.eos_token")
+        eos_id = tokenizer.convert_tokens_to_ids(eos)
+        gen_eos = model_config.text_config.eos_token_id
+        gen_eos = list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else []
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+        return cls(enc(before), enc(after), int(model_config.audio_token_id), int(eos_id), int(pad),
+                   tuple(dict.fromkeys([int(eos_id), *map(int, gen_eos)])))
+
+
+class TranscriptTokenizer:
+    """What ddptrain.data needs of a tokenizer: ``encode(text)`` -> transcript ids + EOS."""
+
+    unk_id = -1  # subword tokenizers have no unknown characters: the validator's check is skipped
+
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokenizer, self.eos_id = tokenizer, eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) + [self.eos_id]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(g: GlmAsrRecipeConfig):
+    from transformers import AutoTokenizer
+
+    folder = g.tokenizer or g.path
+    if not folder:
+        return None
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+# ---------------------------------------------------------------------------------- batches
+
+
+def chunk_frames(num_samples: int, hop: int = 160, window: int = WINDOW_FRAMES * 160) -> list[int]:
+    """Valid mel frames of each 30 s chunk of an utterance (the HF processor's chunking)."""
+    chunks = max(1, -(-num_samples // window))
+    return [-(-(min(window, num_samples - i * window)) // hop) for i in range(chunks)]
+
+
+class GlmAsrCollator:
+    """Examples (``audio``, ``tokens`` = transcript + EOS) -> a batch for :class:`GlmAsrForTraining`.
+
+    Runs in the loader workers. Everything data-dependent is decided here, on the host: the
+    chunking, the placeholder count per utterance, and the flat indices the model scatters audio
+    embeddings to and reads logits from, so a training step needs no host sync.
+
+    Args:
+        layout: prompt and special token ids.
+        extractor: the ``whisper_logmel`` extractor for worker features; ``None`` = emit the audio
+            (``data.feature_device: gpu``: the objective runs the extractor on the device).
+        encoder_length: ``window`` (3000 frames) or ``batch`` (longest chunk, a multiple of 8).
+        token_pad_multiple: the decoder length is padded to a multiple of this.
+        max_positions: the LLM's context; a longer sequence is an error naming the utterance.
+        split_long: cut audio over 30 s into chunks; False = an error naming the utterance.
+        hop: samples per mel frame.
+
+    Batch keys: ``ids``, ``texts``, ``skipped_ids``; ``input_ids`` (B, L); ``features`` (R, T,
+    mel) or ``audio`` (R, S) + ``audio_lens`` (R,) + ``num_frames`` (T, an int); ``chunk_frames``
+    (R,); ``audio_src``, ``audio_dst``, ``pred_index``, ``labels``; ``prompt_lens`` (B,).
+    """
+
+    def __init__(self, layout: PromptLayout, extractor: Optional[BatchFeatureExtractor], encoder_length: str = "window",
+                 token_pad_multiple: int = 8, max_positions: int = 8192, split_long: bool = True, hop: int = 160):
+        self.layout, self.extractor = layout, extractor
+        self.encoder_length, self.multiple = encoder_length, max(1, token_pad_multiple)
+        self.max_positions, self.split_long, self.hop = max_positions, split_long, hop
+        self.window = WINDOW_FRAMES * hop
+
+    def __call__(self, examples: Sequence) -> dict:
+        good = [e for e in examples if not isinstance(e, BadExample)]
+        batch: dict = {"ids": [e["id"] for e in good], "texts": [e["text"] for e in good],
+                       "skipped_ids": [e.id for e in examples if isinstance(e, BadExample)]}
+        if not good:
+            return batch
+        lay = self.layout
+        pieces, frames, seqs, spans = [], [], [], []
+        for e in good:
+            audio = e["audio"]
+            if audio.numel() > self.window and not self.split_long:
+                raise DataError(f"utterance {e['id']}: {audio.numel() / (100 * self.hop):.2f}s is longer than the 30 s "
+                                "window (glmasr.long_audio=refuse)")
+            f = chunk_frames(audio.numel(), self.hop, self.window)
+            pieces += [audio[i * self.window:(i + 1) * self.window] for i in range(len(f))]
+            frames.append(f)
+            n_audio = sum(audio_token_count(x) for x in f)
+            seq = [*lay.prefix, *([lay.audio_token_id] * n_audio), *lay.suffix]
+            spans.append((len(lay.prefix), n_audio, len(seq), e["tokens"].numel()))
+            seqs.append(seq + e["tokens"].tolist())
+            if len(seqs[-1]) > self.max_positions:
+                raise DataError(f"utterance {e['id']}: {len(seqs[-1])} decoder positions (prompt + audio + transcript) "
+                                f"exceed the model's {self.max_positions}")
+        flat_frames = [x for f in frames for x in f]
+        t = WINDOW_FRAMES if self.encoder_length == "window" else min(
+            WINDOW_FRAMES, -(-max(flat_frames) // FRAME_MULTIPLE) * FRAME_MULTIPLE)
+        per_row = t // FRAME_MULTIPLE  # LLM embeddings per chunk row
+        length = -(-max(len(s) for s in seqs) // self.multiple) * self.multiple
+        input_ids = torch.full((len(seqs), length), lay.pad_id, dtype=torch.int64)
+        src, dst, pred, labels, row = [], [], [], [], 0
+        for b, (seq, f, (start, n_audio, prompt_len, n_target)) in enumerate(zip(seqs, frames, spans)):
+            input_ids[b, :len(seq)] = torch.tensor(seq)
+            for x in f:
+                src.append(row * per_row + torch.arange(audio_token_count(x)))
+                row += 1
+            dst.append(b * length + start + torch.arange(n_audio))
+            # position p predicts token p + 1: the transcript and its EOS start at prompt_len
+            pred.append(b * length + prompt_len - 1 + torch.arange(n_target))
+            labels.append(input_ids[b, prompt_len:prompt_len + n_target])
+        lens = torch.tensor([p.numel() for p in pieces], dtype=torch.int64)
+        audio = torch.zeros(len(pieces), int(lens.max()))
+        for r, p in enumerate(pieces):
+            audio[r, :p.numel()] = p
+        if self.extractor is not None:
+            with torch.no_grad():
+                batch["features"] = self.extractor(audio, lens)["features"][:, :t].contiguous()
+        else:
+            batch.update(audio=audio, audio_lens=lens, num_frames=t)
+        batch.update(input_ids=input_ids, chunk_frames=torch.tensor(flat_frames, dtype=torch.int64),
+                     audio_src=torch.cat(src), audio_dst=torch.cat(dst), pred_index=torch.cat(pred),
+                     labels=torch.cat(labels), prompt_lens=torch.tensor([s[2] for s in spans], dtype=torch.int64))
+        return batch
+
+
+def decoder_length(layout: PromptLayout, num_samples: int, num_targets: int, hop: int = 160) -> int:
+    """Decoder positions of one utterance: prompt + placeholders + transcript + EOS."""
+    n_audio = sum(audio_token_count(f) for f in chunk_frames(num_samples, hop))
+    return len(layout.prefix) + n_audio + len(layout.suffix) + num_targets
+
+
+def make_sampler(durations: np.ndarray, dec_lens: np.ndarray, g: GlmAsrRecipeConfig, data, train: bool,
+                 world_size: int, rank: int) -> DurationBucketSampler:
+    """Buckets on audio cost (whole 30 s windows, or seconds) and decoder length."""
+    cost = np.ceil(durations / 30.0 - 1e-9) * 30.0 if g.encoder_length == "window" else durations
+    return DurationBucketSampler(cost, max_duration=data.max_duration, max_batch_size=data.max_batch_size,
+                                 tokens=dec_lens, max_tokens=g.max_tokens, num_buckets=data.num_buckets,
+                                 sort_pool=data.bucket_sort_pool, sync_buckets=data.sync_buckets,
+                                 shuffle=data.shuffle and train, tail=data.tail if train else "exact",
+                                 seed=data.seed, world_size=world_size, rank=rank)
+
+
+def _loader(dataset, sampler, collate, data) -> DataLoader:
+    workers = max(0, data.num_workers)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                      pin_memory=data.pin_memory and torch.cuda.is_available(),
+                      persistent_workers=data.persistent_workers and workers > 0,
+                      prefetch_factor=data.prefetch_factor if workers > 0 else None,
+                      timeout=data.loader_timeout_s if workers > 0 else 0)
+
+
+def make_collator(cfg, layout: PromptLayout, max_positions: int, train: bool):
+    data, g = cfg.data, cfg.glmasr
+    extractor = BatchFeatureExtractor(data).train(train)
+    on_gpu = data.feature_device == "gpu"
+    collate = GlmAsrCollator(layout, None if on_gpu else extractor, g.encoder_length, g.token_pad_multiple,
+                             max_positions, g.long_audio == "split", extractor.hop)
+    return collate, (extractor if on_gpu else None)
+
+
+def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, layout: PromptLayout,
+                          max_positions: int, train: bool, world_size: int, rank: int) -> DataLoader:
+    """Validated manifest -> bucketed DataLoader of GLM-ASR batches.
+
+    Raises:
+        DataError: bad lines (under ``data.bad_data: error``, every one named), audio over 30 s
+            with ``glmasr.long_audio: refuse``, or a sequence longer than the LLM's context.
+    """
+    from ddptrain.data import validate_manifest
+    from ddptrain.data.validate import finish_report
+
+    data, g = cfg.data, cfg.glmasr
+    if data.validate:
+        report = validate_manifest(manifest, data, tokenizer)
+    else:
+        from ddptrain.data.validate import _entries_of
+
+        report = finish_report(*_entries_of(manifest), data.bad_data)
+    speeds = [float(s) for s in data.speed_perturb] if train else []
+    stretch = 1.0 / min(speeds) if speeds else 1.0
+    hop = int(data.sample_rate * data.frame_shift_ms / 1000)
+    problems, keep, dec_lens = [], [], []
+    for e in report.entries:
+        samples = int(math.ceil(e.duration * stretch * data.sample_rate))
+        n = decoder_length(layout, samples, len(tokenizer.encode(e.text)), hop)
+        if g.long_audio == "refuse" and e.duration * stretch > 30.0:
+            problems.append(Problem(e.source, e.line, e.id, f"{e.duration:.2f}s is longer than the 30 s window "
+                                    "(glmasr.long_audio=refuse; 'split' cuts it into 30 s chunks)"))
+        elif n > max_positions:
+            problems.append(Problem(e.source, e.line, e.id, f"{n} decoder positions (prompt + audio + transcript) "
+                                    f"exceed the model's context of {max_positions}"))
+        else:
+            keep.append(e)
+            dec_lens.append(n)
+    if problems and data.bad_data == "error":
+        raise DataError.from_problems(f"{len(problems)} utterance(s) of {manifest} cannot be trained on", problems)
+    if not keep:
+        raise DataError(f"no utterances left in {manifest!r}")
+    durations = np.array([e.duration * stretch for e in keep])
+    sampler = make_sampler(durations, np.array(dec_lens, dtype=np.float64), g, data, train, world_size, rank)
+    dataset = SpeechDataset(keep, dataclasses.replace(data, features="raw"), tokenizer, train)
+    collate, gpu_features = make_collator(cfg, layout, max_positions, train)
+    loader = _loader(dataset, sampler, collate, data)
+    loader.feature_extractor = gpu_features
+    return loader
+
+
+# ---------------------------------------------------------------------------------- synthetic data
+
+
+class SyntheticSpeech(Dataset):
+    """Random 16 kHz audio with random transcript ids (+ EOS), deterministic per index."""
+
+    def __init__(self, durations: np.ndarray, num_targets: np.ndarray, vocab: int, eos_id: int, sample_rate=16000):
+        self.durations, self.targets, self.vocab, self.eos, self.sr = durations, num_targets, vocab, eos_id, sample_rate
+
+    def __len__(self):
+        return len(self.durations)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(int(i))
+        n = int(self.durations[i] * self.sr)
+        text = torch.randint(0, self.vocab, (int(self.targets[i]) - 1,), generator=g)
+        return {"id": str(i), "text": "", "audio": 0.1 * torch.randn(n, generator=g),
+                "tokens": torch.cat([text, torch.tensor([self.eos])])}
+
+
+def synthetic_corpus(g: GlmAsrRecipeConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(durations in s, transcript tokens incl. EOS): lognormal durations, ~tokens_per_s tokens."""
+    rng = np.random.default_rng(seed)
+    d = np.clip(rng.lognormal(math.log(g.synthetic_median_s), g.synthetic_sigma, g.synthetic_utterances),
+                g.synthetic_min_s, g.synthetic_max_s).round(3)
+    n = np.maximum(1, np.round(d * g.synthetic_tokens_per_s * rng.uniform(0.7, 1.3, d.size))).astype(np.int64) + 1
+    return d, n
+
+
+def synthetic_layout(model_config, prompt_tokens: int = 20) -> PromptLayout:
+    """A prompt of fixed ids for tokenizer-less random-init runs (benchmarks)."""
+    vocab = model_config.text_config.vocab_size
+    eos = model_config.text_config.eos_token_id
+    eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+    ids = tuple(range(100, 100 + prompt_tokens))
+    return PromptLayout(ids[:prompt_tokens // 2], ids[prompt_tokens // 2:], int(model_config.audio_token_id),
+                        eos, min(vocab - 1, eos), (eos,))
+
+
+def build_synthetic_loader(cfg, layout: PromptLayout, vocab: int, world_size: int, rank: int,
+                           max_positions: int = 8192, collate_wrapper=None) -> DataLoader:
+    g, data = cfg.glmasr, cfg.data
+    d, n = synthetic_corpus(g, data.seed)
+    hop = int(data.sample_rate * data.frame_shift_ms / 1000)
+    dec = np.array([decoder_length(layout, int(x * data.sample_rate), int(k), hop) for x, k in zip(d, n)], np.float64)
+    sampler = make_sampler(d, dec, g, data, True, world_size, rank)
+    collate, gpu_features = make_collator(cfg, layout, max_positions, True)
+    loader = _loader(SyntheticSpeech(d, n, min(vocab, 50000), layout.eos_id, data.sample_rate), sampler,
+                     collate_wrapper(collate) if collate_wrapper else collate, data)
+    loader.feature_extractor = gpu_features
+    return loader
+
+
+# ---------------------------------------------------------------------------------- objective
+
+
+class GlmAsrObjective:
+    """The loss contract: (sum of cross-entropies of transcript + EOS tokens, their count).
+
+    Also the eval metrics (WER/CER of greedy decoding, as error counts the Trainer sums over
+    batches and ranks) and, with ``data.feature_device: gpu``, the features on the device.
+    """
+
+    def __init__(self, layout: PromptLayout, tokenizer: Optional[TranscriptTokenizer] = None,
+                 feature_extractor: Optional[BatchFeatureExtractor] = None, max_new_tokens: int = 200):
+        self.layout, self.tokenizer, self.extractor = layout, tokenizer, feature_extractor
+        self.max_new_tokens = max_new_tokens
+
+    def features(self, batch: dict) -> torch.Tensor:
+        if "features" in batch:
+            return batch["features"]
+        self.extractor.to(batch["audio"].device)
+        return self.extractor(batch["audio"], batch["audio_lens"])["features"][:, :batch["num_frames"]]
+
+    def __call__(self, model, batch):
+        logits = model(batch["input_ids"], self.features(batch), batch["audio_src"], batch["audio_dst"],
+                       batch["pred_index"])
+        loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
+        return loss, batch["labels"].numel()
+
+    def transcripts(self, model, batch) -> list[str]:
+        ids = model.transcribe(batch, self.features(batch), self.max_new_tokens, self.layout.eos_ids,
+                               self.layout.pad_id)
+        return [self.tokenizer.decode(x) for x in ids]
+
+    def error_counts(self, model, batch) -> dict:
+        """Eval metrics as (numerator, denominator): corpus WER and CER of greedy decoding."""
+        hyps = self.transcripts(model, batch)
+        return {"wer": metrics.word_errors(batch["texts"], hyps), "cer": metrics.char_errors(batch["texts"], hyps)}
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def build(cfg, info) -> tuple:
+    """(model, objective, train loader, eval loader or None, tokenizer or None) for ``cfg``."""
+    g = cfg.glmasr
+    check_recipe_config(g, cfg.data)
+    hf_tok = load_tokenizer(g)
+    if hf_tok is None and (cfg.data.train_manifest or g.preset == "tiny"):
+        raise ddptrain.ConfigError("real data (data.train_manifest) and the tiny preset need a tokenizer: "
+                                   "set glmasr.path (or glmasr.tokenizer)")
+    tiny = None
+    if hf_tok is not None and not g.path:
+        eos = g.eos_token or hf_tok.eos_token
+        tiny = dict(vocab_size=len(hf_tok), audio_token_id=hf_tok.convert_tokens_to_ids(AUDIO_TOKEN),
+                    eos_token_id=hf_tok.convert_tokens_to_ids(eos))
+    torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and every run
+    with torch.device(info.device if not g.path else "cpu"):  # a 2B random init is fast on the GPU
+        hf_model = load_hf_model(g.path, g.preset, g.attn_implementation, tiny)
+    model = GlmAsrForTraining(hf_model, freeze_encoder=g.freeze_encoder)
+    max_positions = hf_model.config.text_config.max_position_embeddings
+    if hf_tok is None:
+        layout = synthetic_layout(hf_model.config)
+        train = build_synthetic_loader(cfg, layout, hf_model.config.text_config.vocab_size, info.world_size,
+                                       info.rank, max_positions)
+        return model, GlmAsrObjective(layout, None, train.feature_extractor), train, None, None
+    layout = PromptLayout.from_tokenizer(hf_tok, hf_model.config, g.prompt, g.eos_token)
+    tok = TranscriptTokenizer(hf_tok, layout.eos_id)
+    train = build_manifest_loader(cfg.data.train_manifest, cfg, tok, layout, max_positions, True,
+                                  info.world_size, info.rank)
+    evals = (build_manifest_loader(cfg.data.eval_manifest, cfg, tok, layout, max_positions, False,
+                                   info.world_size, info.rank) if cfg.data.eval_manifest else None)
+    objective = GlmAsrObjective(layout, tok, train.feature_extractor, g.max_new_tokens)
+    return model, objective, train, evals, hf_tok
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (configs/glmasr.yaml)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = ddptrain.load_config(args.config, overrides, schema=RecipeConfig)
+    info = ddptrain.setup_distributed(cfg)
+    model, objective, train, evals, hf_tok = build(cfg, info)
+    trainer = ddptrain.Trainer(model, objective, cfg, train, eval_data=evals,
+                               metrics_fn=objective.error_counts if evals is not None and cfg.glmasr.generate_eval
+                               and objective.tokenizer is not None else None)
+    if info.is_main:
+        n = sum(p.numel() for p in model.parameters())
+        t = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"GLM-ASR: {n:,} parameters ({t:,} trained); {len(train)} batches/epoch/rank on "
+              f"{info.world_size} process(es), device {trainer.device}; recomputed {len(trainer.recomputed)}, "
+              f"compiled {len(trainer.compiled)} modules")
+    result = trainer.fit()
+    if cfg.glmasr.export_dir and info.is_main:
+        trainer.module.save_pretrained(cfg.glmasr.export_dir, hf_tok)
+        print(f"saved the fine-tuned model to {cfg.glmasr.export_dir}")
+    ddptrain.dist.barrier()
+    return result
+
+
+if __name__ == "__main__":
+    print(main(sys.argv[1:]))
