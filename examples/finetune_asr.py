@@ -61,15 +61,16 @@ class CTCObjective:
         self.tokenizer = tokenizer
         self.features = feature_extractor
 
-    def _features(self, batch):
+    def _features(self, model, batch):
         if self.features is None:
             return batch["features"], batch["feature_lens"]
-        self.features.to(batch["audio"].device)
+        # SpecAugment is for training only: follow the model's mode (Trainer.evaluate sets eval)
+        self.features.train(model.training).to(batch["audio"].device)
         out = self.features(batch["audio"], batch["audio_lens"])
         return out["features"], out["feature_lens"]
 
     def __call__(self, model, batch):
-        feats, lens = self._features(batch)
+        feats, lens = self._features(model, batch)
         log_probs, out_lens = model(feats, lens)
         loss = torch.nn.functional.ctc_loss(
             log_probs.float().transpose(0, 1), batch["tokens"], out_lens, batch["token_lens"],
@@ -78,7 +79,7 @@ class CTCObjective:
 
     def error_counts(self, model, batch):
         """Eval metrics as (numerator, denominator) pairs: corpus WER and CER, reduced by the Trainer."""
-        feats, lens = self._features(batch)
+        feats, lens = self._features(model, batch)
         log_probs, out_lens = model(feats, lens)
         hyps = [self.tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
         return {"wer": metrics.word_errors(batch["texts"], hyps),
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> dict:
     trainer.fit()
     summary["train_seconds"] = round(time.time() - start, 1)
     summary["after"] = {p: evaluate_on(trainer, loader) for p, loader in tests.items()}
+    trainer.close()  # after the test-set evaluations: they are logged too
     if info.is_main:
         print_summary(summary)
         with open(os.path.join(cfg.trainer.output_dir, cfg.demo.report), "w") as f:

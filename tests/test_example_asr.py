@@ -60,3 +60,50 @@ def test_asr_example_two_ranks_checkpoints_resumes_and_learns(tmp_path):
     log2 = launch(tmp_path, manifest, steps=34, extra=("checkpoint.resume=auto",))
     assert "resumed from" in log2 and "step_00000030" in log2
     assert (run / "checkpoints" / "step_00000034" / "COMPLETE").exists()
+
+
+def _in_process_args(tmp_path, manifest, *extra):
+    return ["--config", os.path.join(ROOT, "configs", "asr_demo.yaml"), f"trainer.output_dir={tmp_path}/run",
+            f"data.tokenizer={tmp_path}/tok.json", f"data.train_manifest={manifest}", f"data.eval_manifest={manifest}",
+            f"demo.test_manifests=[{manifest}]", "trainer.max_steps=2", "trainer.eval_every=0",
+            "logging.progress_bar=false", "data.max_duration=8", "data.num_buckets=2", "data.num_workers=0",
+            "model.d_model=32", "model.ffn_dim=64", "model.num_layers=1", "model.num_heads=2", *extra]
+
+
+def test_eval_features_are_not_spec_augmented_with_gpu_features(tmp_path):
+    """feature_device=gpu: the objective's extractor follows the model's mode, so evaluation
+    (and the keep-best choice) sees unmasked features; training still sees masks."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import torch
+
+    import ddptrain
+    from ddptrain.data import build_dataloader, load_or_build_tokenizer
+    from finetune_asr import ASRConfig, CTCObjective
+
+    manifest = tiny_manifest(tmp_path, n=4)
+    cfg = ddptrain.load_config(None, [f"data.train_manifest={manifest}", f"data.tokenizer={tmp_path}/t.json",
+                                      "data.feature_device=gpu", "data.spec_augment=true", "data.num_workers=0",
+                                      "data.time_mask_ratio=0.3", "data.freq_mask_width=30"], schema=ASRConfig)
+    tok = load_or_build_tokenizer(cfg.data)
+    loader = build_dataloader(manifest, cfg.data, tok, train=True)
+    objective = CTCObjective(tok, loader.feature_extractor)
+    batch = next(iter(loader))
+    model = torch.nn.Identity()
+    model.eval()
+    a, _ = objective._features(model, batch)
+    b, _ = objective._features(model, batch)
+    assert torch.equal(a, b), "evaluation features were masked at random"
+    model.train()
+    c, _ = objective._features(model, batch)
+    assert not torch.equal(a, c), "training features lost SpecAugment"
+
+
+def test_test_set_metrics_after_fit_reach_metrics_jsonl(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import finetune_asr
+
+    manifest = tiny_manifest(tmp_path, n=4)
+    finetune_asr.main(_in_process_args(tmp_path, manifest))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    test_rows = [r for r in rows if r["split"] == "test"]
+    assert test_rows and "wer" in test_rows[0] and test_rows[0]["step"] == 2
