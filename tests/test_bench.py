@@ -119,3 +119,14 @@ def test_balance_tool_on_the_shipped_manifest(capsys):
                               "--budget", "60", "--worlds", "2", "--epochs", "1"])
     by_plan = {r["plan"]: r["balance"] for r in got}
     assert 0 < by_plan["sync_buckets=false"] < by_plan["sync_buckets=true"] <= 1
+
+
+@pytest.mark.timeout(240)
+def test_dry_run_of_the_hf_trainer_peer_where_accelerate_is_installed(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # the HF Trainer needs it; ddptrain's dev extra does not install it
+    import gpu_session
+
+    assert gpu_session.main(["peers1", "--dry", "--jobs", "wh_hf", "--out", str(tmp_path)]) == 0
+    (row,) = rows(tmp_path / "results.jsonl")
+    assert row["peer"] == "hf" and row["hf_mode"] == "eager" and row["steps"] == 2 and row["samples_per_s"] > 0
