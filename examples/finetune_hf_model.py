@@ -22,12 +22,22 @@ model is random-initialised from a size preset (what the GPU benchmarks do).
     # a local wav2vec2 checkpoint on real data (raw 16 kHz audio, character tokenizer)
     python examples/finetune_hf_model.py hf.path=/models/wav2vec2-large-lv60 \\
         data.train_manifest=train.jsonl data.features=raw data.max_duration=300
+    # a local Whisper checkpoint on real data, evaluated by greedy decoding (WER/CER)
+    python examples/finetune_hf_model.py hf.model=whisper hf.path=/models/whisper-large-v3 \\
+        data.train_manifest=train.jsonl data.eval_manifest=dev.jsonl data.features=whisper_logmel \\
+        data.num_mel_bins=128 data.normalize=none data.max_duration=240
 
 Batches: wav2vec2 batches are cut by ddptrain's ``DurationBucketSampler`` (``data.max_duration``
 seconds of *padded* audio per batch and rank). Whisper batches are ``hf.batch_size`` 30 s
 windows; every encoder input has the same length, so the same sampler buckets them by transcript
 length instead (the decoder's padded length). In both, ``data.sync_buckets`` (default on) gives
 the ranks of one step batches from the same bucket, so no rank waits for a costlier batch.
+
+Whisper on manifests: Whisper's log-mel of 30 s windows (``data.features: whisper_logmel``, the
+``WhisperFeatureExtractor`` recipe), the checkpoint's tokenizer, targets ``<|lang|><|task|>
+<|notimestamps|> text <|endoftext|>`` after ``<|startoftranscript|>``; a batch is
+``data.max_duration / 30`` windows. Evaluation decodes greedily from that prefix (each rank its
+own length-sorted shard) and reports WER/CER as error counts summed over ranks.
 
 Speed (measured on H200, see BENCHMARKS.md "GPU: training throughput"): bf16 with
 ``trainer.param_dtype=bf16`` (no weight casts, bf16 gradients) and ``compile.enabled=true``:
@@ -52,6 +62,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import ddptrain
+from ddptrain import metrics
 from ddptrain.data import DurationBucketSampler, SpeechCollator
 
 WHISPER_FRAMES = 3000  # 30 s of 10 ms frames: Whisper's encoder only takes full windows
@@ -76,6 +87,10 @@ class HFConfig:
     chars_per_second: float = 15.0  # wav2vec2: transcript characters per second of audio
     synthetic_median_tokens: float = 60.0  # whisper: median transcript tokens per 30 s window
     synthetic_max_tokens: int = 448  # whisper: decoder context limit
+    language: str = "en"  # whisper on manifests: <|language|> token of the target prefix
+    task: str = "transcribe"  # whisper on manifests: transcribe | translate
+    generate_eval: bool = True  # whisper on manifests: eval WER/CER by greedy decoding (else the loss only)
+    max_new_tokens: int = 200  # whisper generation: tokens after the prefix
 
 
 @dataclass
@@ -185,15 +200,24 @@ class Seq2SeqLoss:
     """Whisper cross-entropy summed over target tokens; units = target tokens.
 
     ``batch["features"]`` is (B, T, mel) as ddptrain's collator makes it; T is padded to the
-    3000 frames of a 30 s window. The decoder input is ``[decoder_start] + tokens[:-1]``.
+    3000 frames of a 30 s window. The decoder input is ``[decoder_start] + tokens[:-1]``. With
+    ``data.feature_device: gpu`` the batch carries audio and ``feature_extractor`` (the loader's)
+    computes the features on the device.
     """
 
-    def __init__(self, config, token_pad_multiple: int = 1):
+    def __init__(self, config, token_pad_multiple: int = 1, feature_extractor=None):
         self.start = config.decoder_start_token_id
         self.multiple = max(1, token_pad_multiple)
+        self.extractor = feature_extractor
+
+    def features(self, batch) -> torch.Tensor:
+        if "features" in batch:
+            return batch["features"]
+        self.extractor.to(batch["audio"].device)
+        return self.extractor(batch["audio"], batch["audio_lens"])["features"]
 
     def __call__(self, model, batch):
-        feats, tokens, tlen = batch["features"], batch["tokens"], batch["token_lens"]
+        feats, tokens, tlen = self.features(batch), batch["tokens"], batch["token_lens"]
         if feats.shape[1] < WHISPER_FRAMES:
             feats = F.pad(feats, (0, 0, 0, WHISPER_FRAMES - feats.shape[1]))
         extra = -tokens.shape[1] % self.multiple  # padded positions are masked out of the loss below
@@ -205,6 +229,94 @@ class Seq2SeqLoss:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.masked_fill(~valid, -100).flatten(),
                                ignore_index=-100, reduction="sum")
         return loss, valid.sum()
+
+
+class WhisperTargets:
+    """Transcript -> Whisper target ids, the ``encode`` ddptrain.data's loader calls.
+
+    ``<|startoftranscript|>`` is the decoder's start token (``Seq2SeqLoss`` prepends it); the
+    targets are ``<|lang|> <|task|> <|notimestamps|>`` + the text's tokens + ``<|endoftext|>``.
+
+    Raises:
+        ValueError: the tokenizer lacks one of the prefix's special tokens.
+    """
+
+    unk_id = -1  # byte-level BPE has no unknown characters: ddptrain's character check is skipped
+
+    def __init__(self, tokenizer, language: str = "en", task: str = "transcribe"):
+        names = ["<|startoftranscript|>", f"<|{language}|>", f"<|{task}|>", "<|notimestamps|>"]
+        ids = [tokenizer.convert_tokens_to_ids(n) for n in names]
+        missing = [n for n, i in zip(names, ids) if i is None or i == tokenizer.unk_token_id]
+        if missing:
+            raise ValueError(f"the tokenizer has no {', '.join(missing)} (hf.language / hf.task?)")
+        self.tokenizer, self.prefix, self.eos = tokenizer, ids, tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.prefix[1:] + self.tokenizer.encode(" " + text.strip(), add_special_tokens=False) + [self.eos]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+
+
+class WhisperGreedy:
+    """Eval metrics for ``Trainer(metrics_fn=...)``: WER/CER of greedy decoding as error counts.
+
+    Decodes each batch from the target prefix with the plain ``GenerationMixin.generate``
+    (greedy, KV cache; Whisper's own ``generate`` needs a language table in the checkpoint's
+    generation config). The Trainer sums the counts over batches and ranks: a corpus WER.
+    """
+
+    def __init__(self, targets: WhisperTargets, loss: Seq2SeqLoss, max_new_tokens: int = 200):
+        self.targets, self.loss, self.max_new_tokens = targets, loss, max_new_tokens
+
+    def transcripts(self, model, batch) -> list[str]:
+        from transformers.generation import GenerationMixin
+
+        feats = self.loss.features(batch)
+        prefix = torch.tensor([self.targets.prefix] * feats.shape[0], device=feats.device)
+        if feats.shape[1] < WHISPER_FRAMES:
+            feats = F.pad(feats, (0, 0, 0, WHISPER_FRAMES - feats.shape[1]))
+        out = GenerationMixin.generate(model, input_features=feats.transpose(1, 2).to(model.dtype),
+                                       decoder_input_ids=prefix, decoder_attention_mask=torch.ones_like(prefix),
+                                       max_new_tokens=self.max_new_tokens, do_sample=False,
+                                       num_beams=1, eos_token_id=self.targets.eos,
+                                       pad_token_id=model.config.pad_token_id)
+        hyps = []
+        for row in out[:, prefix.shape[1]:].tolist():
+            cut = row.index(self.targets.eos) if self.targets.eos in row else len(row)
+            hyps.append(self.targets.decode(row[:cut]))
+        return hyps
+
+    def __call__(self, model, batch) -> dict:
+        hyps = self.transcripts(model, batch)
+        refs = [" ".join(t.split()) for t in batch["texts"]]
+        return {"wer": metrics.word_errors(refs, hyps), "cer": metrics.char_errors(refs, hyps)}
+
+
+def whisper_manifest_data(cfg, h: HFConfig):
+    """(train loader, eval loader or None, WhisperTargets) for Whisper on manifests.
+
+    Raises:
+        ddptrain.ConfigError: data settings Whisper cannot take (features, normalisation).
+    """
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from ddptrain.data import build_dataloader
+
+    if cfg.data.features != "whisper_logmel" or cfg.data.normalize != "none":
+        raise ddptrain.ConfigError("hf.model=whisper on manifests takes Whisper's log-mel: set "
+                                   "data.features=whisper_logmel data.normalize=none (and data.num_mel_bins)")
+    if not h.path:
+        raise ddptrain.ConfigError("hf.model=whisper on manifests needs hf.path (its tokenizer)")
+    targets = WhisperTargets(AutoTokenizer.from_pretrained(h.path, local_files_only=True), h.language, h.task)
+    # a decoder has no CTC length limit; the encoder takes one 30 s window per utterance
+    data = replace(cfg.data, output_frame_rate=0.0, max_utterance_duration=min(
+        30.0, cfg.data.max_utterance_duration or 30.0))
+    train = build_dataloader(data.train_manifest, data, targets, train=True)
+    evals = build_dataloader(data.eval_manifest, data, targets, train=False) if data.eval_manifest else None
+    return train, evals, targets
 
 
 def loss_for(model, token_pad_multiple: int = 1) -> object:
@@ -313,10 +425,18 @@ def main(argv: list[str]) -> dict:
                                              *overrides], schema=FinetuneConfig)
     info = ddptrain.setup_distributed(cfg)
     h = cfg.hf
+    if cfg.data.train_manifest and h.model == "whisper":
+        loader, evals, targets = whisper_manifest_data(cfg, h)
+        torch.manual_seed(cfg.trainer.seed)
+        model = build_model(h)
+        loss = Seq2SeqLoss(model.config, h.token_pad_multiple, loader.feature_extractor)
+        metrics = WhisperGreedy(targets, loss, h.max_new_tokens) if evals is not None and h.generate_eval else None
+        trainer = ddptrain.Trainer(model, loss, cfg, loader, eval_data=evals, metrics_fn=metrics)
+        return trainer.fit()
     if cfg.data.train_manifest:
         if h.model != "wav2vec2" or cfg.data.features != "raw":
-            raise SystemExit("real manifests: only hf.model=wav2vec2 with data.features=raw in this example "
-                             "(Whisper needs its own log-mel front end and BPE tokenizer)")
+            raise SystemExit("real manifests: hf.model=wav2vec2 takes data.features=raw (Whisper: "
+                             "data.features=whisper_logmel)")
         from ddptrain.data import build_dataloader, load_or_build_tokenizer
 
         tok = load_or_build_tokenizer(cfg.data)

@@ -1,0 +1,90 @@
+"""examples/finetune_hf_model.py: Whisper on manifests (Whisper log-mel, the checkpoint's
+tokenizer) trains and is evaluated by greedy decoding, WER/CER summed as error counts.
+
+A tiny random Whisper and a byte-level BPE tokenizer with Whisper's special tokens are saved to a
+folder and loaded back offline. transformers is a dev dependency (setup.py), so this runs in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import finetune_hf_model as fhm  # noqa: E402
+from transformers import PreTrainedTokenizerFast, WhisperConfig, WhisperForConditionalGeneration  # noqa: E402
+
+import ddptrain  # noqa: E402
+from ddptrain import metrics  # noqa: E402
+from ddptrain.data import write_synthetic_corpus  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>"]
+
+
+def whisper_folder(root, texts):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIALS}
+    cfg = WhisperConfig(vocab_size=len(fast), num_mel_bins=128, d_model=32, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        max_source_positions=1500, max_target_positions=64, pad_token_id=ids["<|endoftext|>"],
+                        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"],
+                        decoder_start_token_id=ids["<|startoftranscript|>"], use_cache=False)
+    torch.manual_seed(0)
+    WhisperForConditionalGeneration(cfg).save_pretrained(root)
+    fast.save_pretrained(root)
+    return str(root)
+
+
+@pytest.mark.timeout(300)
+def test_whisper_on_manifests_learns_and_reports_wer_from_greedy_decoding(tmp_path):
+    manifest = write_synthetic_corpus(str(tmp_path / "data"), [1.0, 1.4, 0.8, 1.2], seed=4)
+    texts = [json.loads(line)["text"] for line in open(manifest)]
+    folder = whisper_folder(tmp_path / "model", texts)
+    argv = [f"hf.model=whisper", f"hf.path={folder}", f"data.train_manifest={manifest}",
+            f"data.eval_manifest={manifest}", "data.features=whisper_logmel", "data.num_mel_bins=128",
+            "data.normalize=none", "data.max_duration=60", "data.max_batch_size=2", "data.num_buckets=1",
+            "data.num_workers=0", "trainer.precision=fp32", "trainer.device=cpu", f"trainer.output_dir={tmp_path}/run",
+            "trainer.max_steps=16", "optim.lr=3e-3", "scheduler.warmup_steps=0", "scheduler.name=constant",
+            "logging.tensorboard=false", "logging.progress_bar=false", "logging.log_every=1", "hf.max_new_tokens=16"]
+    result = fhm.main(argv)
+    losses = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert set(result) >= {"loss", "wer", "cer"}
+
+    # the reported WER/CER are the error counts of the greedy transcripts, recomputed here
+    cfg = ddptrain.load_config(None, argv, schema=fhm.FinetuneConfig)
+    _, evals, targets = fhm.whisper_manifest_data(cfg, cfg.hf)
+    model = WhisperForConditionalGeneration.from_pretrained(folder, local_files_only=True)
+    ddptrain.load_weights(model, str(tmp_path / "run"))
+    greedy = fhm.WhisperGreedy(targets, fhm.Seq2SeqLoss(model.config), 16)
+    hyps, refs = [], []
+    with torch.no_grad():
+        for batch in evals:
+            hyps += greedy.transcripts(model.eval(), batch)
+            refs += batch["texts"]
+    w, c = metrics.word_errors(refs, hyps), metrics.char_errors(refs, hyps)
+    assert result["wer"] == pytest.approx(w[0] / w[1]) and result["cer"] == pytest.approx(c[0] / c[1])
+
+
+def test_whisper_targets_put_the_prefix_first_and_eos_last(tmp_path):
+    folder = whisper_folder(tmp_path, ["hello world"])
+    from transformers import AutoTokenizer
+
+    t = fhm.WhisperTargets(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    ids = t.encode("hello world")
+    assert ids[:3] == t.prefix[1:] and ids[-1] == t.eos and t.decode(ids[3:-1]) == "hello world"
+    with pytest.raises(ValueError, match="<\\|de\\|>"):
+        fhm.WhisperTargets(AutoTokenizer.from_pretrained(folder, local_files_only=True), language="de")
