@@ -26,6 +26,7 @@ that: the checkpointed blocks then run eagerly; name them in ``compile.module_cl
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -46,7 +47,8 @@ def compile_options(cfg: "CompileConfig") -> dict[str, Any]:
     return {"mode": cfg.mode, "dynamic": dynamic}
 
 
-def compile_whole(model: nn.Module, cfg: "CompileConfig", ddp_bucket_cap_mb: Optional[float]) -> nn.Module:
+def compile_whole(model: nn.Module, cfg: "CompileConfig", ddp_bucket_cap_mb: Optional[float],
+                  recomputed: int = 0) -> nn.Module:
     """``torch.compile`` the whole model, after DDP wrapped it (``ddp_bucket_cap_mb``: its bucket
     size; ``None`` without DDP).
 
@@ -62,6 +64,10 @@ def compile_whole(model: nn.Module, cfg: "CompileConfig", ddp_bucket_cap_mb: Opt
         raise ConfigError(f"dist.bucket_cap_mb={ddp_bucket_cap_mb} with a whole-model compile and "
                           "compile.ddp_overlap=true: dynamo splits the graph at DDP's buckets and needs "
                           "them to be at least 1 MB; raise it or set compile.ddp_overlap=false")
+    if recomputed:
+        warnings.warn(f"compile.enabled with recompute: the {recomputed} checkpointed modules run eagerly "
+                      "inside the compiled model; list their classes in compile.module_classes to compile "
+                      "them too", stacklevel=3)
     torch._dynamo.config.optimize_ddp = bool(cfg.ddp_overlap)  # read when the first step compiles
     return torch.compile(model, **compile_options(cfg))
 

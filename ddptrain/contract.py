@@ -17,12 +17,13 @@ class TrainingError(RuntimeError):
     """Training cannot continue (non-finite losses, loss-scale collapse, a broken loss_fn, ...)."""
 
 
-def check_loss_output(returned: Any, where: str) -> tuple:
+def check_loss_output(returned: Any, where: str, host: bool = False) -> tuple:
     """``(loss_sum, units)`` from a ``loss_fn`` call, checked.
 
     Args:
         returned: what ``loss_fn`` returned.
         where: "rank r, step s, micro-batch i", for the message.
+        host: also check tensor units here (evaluation reads them on the host anyway).
 
     Raises:
         TrainingError: not a pair, a loss that is not 0-d, or units that are not a count >= 0
@@ -38,6 +39,8 @@ def check_loss_output(returned: Any, where: str) -> tuple:
         if units.numel() != 1:
             raise TrainingError(f"{where}: loss_fn's num_units must be a number or a 1-element tensor, "
                                 f"it returned {describe(units)}")
+        if host and not float(units) >= 0:
+            raise TrainingError(f"{where}: loss_fn's num_units must be a count >= 0, it returned {float(units)!r}")
     elif not isinstance(units, (int, float)) or isinstance(units, bool) or not units >= 0:
         raise TrainingError(f"{where}: loss_fn's num_units must be a count >= 0 (the frames, tokens or "
                             f"utterances its loss_sum sums over), it returned {units!r}")

@@ -128,6 +128,29 @@ class SamplerPosition:
         self.load_state_dict(old_states[0])
 
 
+class LoaderPosition:
+    """The position in a loader without a stateful sampler (e.g. torch's DistributedSampler),
+    where a resume skips the consumed batches by iterating. That is exact on the same number of
+    processes; on another one only at an epoch boundary, since such a sampler has no global plan
+    to re-deal the rest of an epoch."""
+
+    def __init__(self, progress: TrainingProgress):
+        self.progress = progress
+
+    def state_dict(self) -> dict:
+        return {"position": self.progress.batches_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass  # the position is the progress record's
+
+    def load_resharded(self, old_states: Sequence, meta: dict) -> None:
+        if self.progress.batches_done:
+            raise ValueError(f"the checkpoint stopped mid-epoch (batch {self.progress.batches_done}) on "
+                             f"{meta['world_size']} processes, and this loader's sampler cannot re-deal the "
+                             "rest of an epoch over another number: resume on the same number, from a "
+                             "checkpoint at an epoch boundary, or use DurationBucketSampler")
+
+
 def _numpy_state():
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)

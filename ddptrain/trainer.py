@@ -16,12 +16,9 @@ accumulation 4 and 4 GPUs without accumulation produce the same update.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
-import time
-import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -37,7 +34,8 @@ from ddptrain.metrics import reduce_ratios
 from ddptrain.optim import ZeroShardState, apply_hparams, build_optimizer, build_scheduler, is_zero
 from ddptrain.precision import MasterWeights, Precision
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
-from ddptrain.progress import RNGStreams, SamplerPosition, TrainingProgress
+from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
+from ddptrain.steps import StepStream, stateful_sampler
 from ddptrain.update import StepUpdate
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
@@ -93,7 +91,6 @@ class Trainer:
             raise
         self._last_saved_step = self.progress.step if resume_from else -1
         self._last_batch: Any = None  # host copy of the last non-empty batch (see train_step)
-        self._data_wait = 0.0
 
     # ------------------------------------------------------------------ set-up, in three steps
 
@@ -116,12 +113,8 @@ class Trainer:
         self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
         if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
-            self.model = compile_whole(self.model, cfg.compile,
-                                       cfg.dist.bucket_cap_mb if self.info.distributed else None)
-            if self.recomputed:
-                warnings.warn(f"compile.enabled with recompute: the {len(self.recomputed)} checkpointed modules "
-                              "run eagerly inside the compiled model; list their classes in "
-                              "compile.module_classes to compile them too", stacklevel=3)
+            self.model = compile_whole(self.model, cfg.compile, cfg.dist.bucket_cap_mb if self.info.distributed
+                                       else None, recomputed=len(self.recomputed))
 
     def _setup_optimizer(self) -> None:
         """Optimizer (plain or ZeRO, over the masters if any), precision policy, LR schedule."""
@@ -142,15 +135,16 @@ class Trainer:
             budget_cpu_threads(self.train_data)
         for loader in (self.train_data, self.eval_data):
             prepare_loader_workers(loader, t.preempt_signals)
-        self.batches_per_epoch = len(self.train_data)
-        if self.batches_per_epoch == 0:
+        if len(self.train_data) == 0:
             raise ValueError("train_data is empty on rank %d" % self.info.rank)
-        steps_per_epoch = math.ceil(self.batches_per_epoch / t.grad_accum_steps)
+        steps_per_epoch = math.ceil(len(self.train_data) / t.grad_accum_steps)
         self.total_steps = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
         self.progress.schedule_steps = self.total_steps
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.total_steps)
         self.preemption = PreemptionFlag(t.preempt_signals)
         self.gc = StepPacedGC(t.gc_every_steps)  # collector pauses at the same steps on all ranks
+        self.stream = StepStream(self.train_data, self.progress, self.rng, t.grad_accum_steps, self._finished,
+                                 self.gc.full)
 
     # ------------------------------------------------------------------ the loop
 
@@ -168,7 +162,7 @@ class Trainer:
         try:
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
-            for micro in self._steps():
+            for micro in self.stream:
                 out = self.train_step(micro)
                 self.gc.step(p.step)
                 self._log_step(out)
@@ -190,25 +184,6 @@ class Trainer:
             self.gc.stop()
             self.logger.flush()
             self._release_folder()
-
-    def _steps(self) -> Iterator[list]:
-        """One list of micro-batches per optimizer step, across epochs, from the resumed position."""
-        t, p = self.cfg.trainer, self.progress
-        while not self._finished():
-            batches, micro = self._epoch_iterator(), None
-            try:
-                while not self._finished():
-                    tic = time.perf_counter()
-                    micro = list(itertools.islice(batches, t.grad_accum_steps))
-                    self._data_wait = time.perf_counter() - tic  # time the loop waited for data
-                    if not micro:
-                        break
-                    yield micro
-            finally:
-                batches = None  # shut the loader's workers down now, even on an exception
-            if not micro or p.batches_done >= p.epoch_batches:
-                p.epoch, p.batches_done = p.epoch + 1, 0
-                self.gc.full()
 
     def _finished(self) -> bool:
         t, p = self.cfg.trainer, self.progress
@@ -302,14 +277,9 @@ class Trainer:
                 batch = to_device(batch, self.device)
                 with self.precision.autocast():
                     loss_sum, units = check_loss_output(self.loss_fn(self.module, batch),
-                                                        f"rank {self.info.rank}, evaluation batch {i}")
+                                                        f"rank {self.info.rank}, evaluation batch {i}", host=True)
                     extra = self.metrics_fn(self.module, batch) if self.metrics_fn else {}
-                if not float(units) >= 0:
-                    raise TrainingError(f"rank {self.info.rank}, evaluation batch {i}: loss_fn returned "
-                                        f"num_units={float(units)!r}; it must be a count >= 0")
-                sums["loss"][0] += float(loss_sum)
-                sums["loss"][1] += float(units)
-                for k, (num, den) in extra.items():
+                for k, (num, den) in [("loss", (loss_sum, units)), *extra.items()]:
                     acc = sums.setdefault(k, [0.0, 0.0])
                     acc[0] += float(num)
                     acc[1] += float(den)
@@ -329,9 +299,10 @@ class Trainer:
 
     def _states(self) -> tuple[dict, dict]:
         """The stateful objects a checkpoint holds: shared by all ranks, and per rank."""
-        sampler = self._stateful_sampler()
+        sampler = stateful_sampler(self.train_data)
         shared = {"scheduler": self.scheduler, "precision": self.precision, "progress": self.progress}
-        per_rank = {"rng": self.rng, "sampler": SamplerPosition(sampler, self.progress) if sampler else None}
+        per_rank = {"rng": self.rng, "sampler": SamplerPosition(sampler, self.progress) if sampler
+                    else LoaderPosition(self.progress)}
         if is_zero(self.optimizer):
             per_rank["optimizer"] = ZeroShardState(self.optimizer)
         else:
@@ -364,18 +335,12 @@ class Trainer:
             diff = {}
         resume.check(diff, path)
         meta = ckpt.load(path, *self._states(), self.info.world_size, self.info.rank)
-        if meta["world_size"] != self.info.world_size and p.batches_done and not self._stateful_sampler():
-            raise ckpt.CheckpointError(
-                f"{path} stopped mid-epoch on {meta['world_size']} processes; this loader's sampler has no "
-                f"global plan to re-deal over {self.info.world_size} (use DurationBucketSampler), so resume "
-                f"on {meta['world_size']} processes, or from a checkpoint at an epoch boundary")
         source, saved = ckpt.read_weights(path)
         ckpt.apply_weights(self.module, source, saved, strict=True)
         if self.master:
             self.master.load_state_dict(saved, self.module)
         p.run_id = run_id  # a resume into another folder is a new run there
         apply_hparams(self.optimizer, self.scheduler, self.cfg.optim, self.cfg.scheduler, p.schedule_steps)
-        self.batches_per_epoch = len(self.train_data)  # a resharded epoch has another length
         if self.info.is_main:
             moved = f", resharded from {meta['world_size']} to {self.info.world_size} processes (RNG reseeded " \
                     "from seed, step and rank)" if meta["world_size"] != self.info.world_size else ""
@@ -401,51 +366,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
-    step = property(lambda self: self.progress.step, doc="optimizer steps taken so far")
-    epoch = property(lambda self: self.progress.epoch)
-    batches_done = property(lambda self: self.progress.batches_done)
+    step = property(lambda self: self.progress.step, doc="optimizer steps taken (see also .progress)")
     skipped_steps = property(lambda self: self.progress.skipped_steps)
-    last_eval = property(lambda self: self.progress.last_eval)
     skip_on_device = property(lambda self: self.update.on_device, doc="non-finite steps are skipped on the device")
 
     def _where(self, micro: int) -> str:
         return f"rank {self.info.rank}, step {self.progress.step + 1}, micro-batch {micro}"
 
-    def _stateful_sampler(self):
-        bs = getattr(self.train_data, "batch_sampler", None)
-        if bs is not None and all(hasattr(bs, m) for m in ("state_dict", "load_state_dict", "set_epoch")):
-            return bs
-        return None
-
-    def _epoch_iterator(self) -> Iterator:
-        """This epoch's batches, starting after the ones already consumed (on resume).
-
-        Creating a DataLoader iterator draws a worker seed from the global torch RNG. It is done
-        inside ``fork_rng`` so it does not move the RNG that dropout uses: then a run resumed
-        from a checkpoint sees exactly the random stream of the uninterrupted run, whether the
-        checkpoint was taken mid-epoch or at an epoch boundary.
-        """
-        p = self.progress
-        self.rng.apply_pending()  # a resumed run's streams, once, before anything draws from them
-        sampler = self._stateful_sampler()
-        plain = getattr(self.train_data, "sampler", None)
-        if sampler is not None and p.batches_done == 0:
-            sampler.set_epoch(p.epoch)  # a resumed stateful sampler starts at its saved position
-        elif sampler is None and hasattr(plain, "set_epoch"):
-            plain.set_epoch(p.epoch)
-        if hasattr(getattr(self.train_data, "dataset", None), "set_epoch"):
-            self.train_data.dataset.set_epoch(p.epoch)  # augmentation draws from (seed, epoch, index)
-        self.batches_per_epoch = p.epoch_batches = len(self.train_data)
-        with torch.random.fork_rng(devices=[]):
-            it = iter(self.train_data)
-            if sampler is None:
-                for _ in range(p.batches_done):  # generic loaders: skip what was consumed (O(k))
-                    next(it)
-        return it
-
     def _log_step(self, out: dict) -> None:
         p = self.progress
-        self.logger.step_done(p.step, out["loss_sum"], out["units"], self._data_wait, p.step == self.total_steps,
+        self.logger.step_done(p.step, out["loss_sum"], out["units"], self.stream.wait_s, p.step == self.total_steps,
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
-                                       "epoch": p.epoch, **data_scalars(self._stateful_sampler(), self.device)})
+                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)})

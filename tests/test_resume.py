@@ -63,7 +63,7 @@ def _reshard_worker(rank, world, out, run, extra):
     trainer = ddptrain.Trainer(FrameMLP(dropout=0.1), loss, cfg, loader)
     trainer.fit()
     with open(os.path.join(out, f"{run}_rank{rank}.json"), "w") as f:
-        json.dump({"seen": loss.seen, "step": trainer.step, "epoch": trainer.epoch}, f)
+        json.dump({"seen": loss.seen, "step": trainer.step, "epoch": trainer.progress.epoch}, f)
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,86 @@
+"""StepStream: the training data as a stream of optimizer steps.
+
+It owns what turns a DataLoader into steps: epochs, the resume position (O(1) through a stateful
+batch sampler, by skipping batches otherwise), the epoch protocol of samplers and datasets
+(``set_epoch``), and the grouping of batches into one step's micro-batches. The loop then reads
+``for micro in stream: train_step(micro)``; the counters it advances live in the progress record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ddptrain.progress import RNGStreams, TrainingProgress
+
+
+def stateful_sampler(loader: Any) -> Optional[Any]:
+    """The loader's batch sampler if it can resume by itself (``DurationBucketSampler``), else None."""
+    bs = getattr(loader, "batch_sampler", None)
+    if bs is not None and all(hasattr(bs, m) for m in ("state_dict", "load_state_dict", "set_epoch")):
+        return bs
+    return None
+
+
+class StepStream:
+    """Args:
+        loader: the training DataLoader (or any re-iterable with ``len``).
+        progress: epoch, batches consumed, step (read and advanced by the loop and here).
+        rng: this rank's streams; a resumed state is applied before the first iterator.
+        accum: micro-batches per optimizer step (``trainer.grad_accum_steps``).
+        finished: whether the run is over (``max_steps`` or ``max_epochs`` reached).
+        epoch_end: called after each finished epoch (a full GC, where the ranks wait anyway).
+    """
+
+    def __init__(self, loader: Any, progress: TrainingProgress, rng: RNGStreams, accum: int,
+                 finished: Callable[[], bool], epoch_end: Callable[[], None]):
+        self.loader, self.progress, self.rng, self.accum = loader, progress, rng, accum
+        self.finished, self.epoch_end = finished, epoch_end
+        self.wait_s = 0.0  # how long the last step waited for its data
+
+    def __iter__(self) -> Iterator[list]:
+        p = self.progress
+        while not self.finished():
+            batches, micro = self._epoch_iterator(), None
+            try:
+                while not self.finished():
+                    tic = time.perf_counter()
+                    micro = list(itertools.islice(batches, self.accum))
+                    self.wait_s = time.perf_counter() - tic
+                    if not micro:
+                        break
+                    yield micro  # the loop trains on it and advances p.step / p.batches_done
+            finally:
+                batches = None  # shut the loader's workers down now, even on an exception
+            if not micro or p.batches_done >= p.epoch_batches:
+                p.epoch, p.batches_done = p.epoch + 1, 0
+                self.epoch_end()
+
+    def _epoch_iterator(self) -> Iterator:
+        """This epoch's batches, starting after the ones already consumed (on resume).
+
+        Creating a DataLoader iterator draws a worker seed from the global torch RNG. It is done
+        inside ``fork_rng`` so it does not move the RNG that dropout uses: then a run resumed
+        from a checkpoint sees exactly the random stream of the uninterrupted run, whether the
+        checkpoint was taken mid-epoch or at an epoch boundary.
+        """
+        p = self.progress
+        self.rng.apply_pending()  # a resumed run's streams, once, before anything draws from them
+        sampler = stateful_sampler(self.loader)
+        plain = getattr(self.loader, "sampler", None)
+        if sampler is not None and p.batches_done == 0:
+            sampler.set_epoch(p.epoch)  # a resumed stateful sampler starts at its saved position
+        elif sampler is None and hasattr(plain, "set_epoch"):
+            plain.set_epoch(p.epoch)
+        if hasattr(getattr(self.loader, "dataset", None), "set_epoch"):
+            self.loader.dataset.set_epoch(p.epoch)  # augmentation draws from (seed, epoch, index)
+        p.epoch_batches = len(self.loader)
+        with torch.random.fork_rng(devices=[]):
+            it = iter(self.loader)
+            if sampler is None:
+                for _ in range(p.batches_done):  # generic loaders: skip what was consumed (O(k))
+                    next(it)
+        return it
