@@ -2,13 +2,11 @@
 
 Why compile at all: in eager mode a transformer layer is dozens of small kernels — layout copies
 around attention, bf16 casts of fp32 weights and activations, bias/GELU/dropout/residual chains —
-and on an H200 those cost as much GPU time as the matmuls do (BENCHMARKS.md: Whisper-large-v3,
-a quarter of the step in copies and casts). Inductor fuses them; Whisper-large-v3 ran 34% faster
-on one H200 with the whole model compiled (30.3 -> 40.7 windows/s, MFU 27% -> 36%).
+and on a large GPU those can cost as much time as the matmuls do. Inductor fuses them (the
+measured gain is in BENCHMARKS.md).
 
-Whole model or regional: the whole model is the faster choice where it compiles (Whisper: median
-step 384-391 ms whole vs 437 regional vs 503-529 eager), because the code between the blocks
-(embeddings, masks, a 51,866-way output projection and its loss) gains too. Regional is for
+Whole model or regional: the whole model is the faster choice where it compiles, because the
+code between the blocks (embeddings, masks, a large output projection and its loss) gains too. Regional is for
 models the whole-model compile breaks on, and for compiled recompute regions. Compiling the
 repeated blocks (``compile.module_classes: [WhisperEncoderLayer,
 ...]``) compiles each block class once and reuses the code for every instance
@@ -54,9 +52,8 @@ def compile_whole(model: nn.Module, cfg: "CompileConfig", ddp_bucket_cap_mb: Opt
 
     With DDP, ``compile.ddp_overlap`` picks dynamo's DDPOptimizer (the graph is split at the
     bucket boundaries, so each bucket's all-reduce starts while the backward goes on) or one
-    graph whose gradients, hence all-reduces, all come at the end of the backward. Measured on
-    2 H200s (BENCHMARKS.md, third pass) the two were equally fast for Whisper-large-v3 (575 vs
-    578 ms a step); the overlap stays the default for slower links. DDPOptimizer needs buckets of
+    graph whose gradients, hence all-reduces, all come at the end of the backward; on NVLink the
+    two measured the same, and the overlap stays the default for slower links. DDPOptimizer needs buckets of
     at least DDP's 1 MB first bucket; that is checked here, so the error names the config keys
     instead of an assertion inside dynamo at the first step.
     """

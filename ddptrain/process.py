@@ -154,9 +154,8 @@ class StepPacedGC:
     rank pauses at its own moment, and in synchronous data parallelism every other rank waits
     for it at the next all-reduce. The pauses are not small in a training process: a compiled
     model holds many Python objects (FX graphs, guards), and a full collection walks all of them
-    (BENCHMARKS.md, fourth pass: one took 460 ms in a compiled tiny Whisper on CPU; the lone 2x
-    steps of two 2-GPU runs with automatic GC may have been this, not proven). torchtitan and
-    torchtnt pace the collector the same way.
+    (bench/NOTES.md has one measured case). torchtitan and torchtnt pace the collector the same
+    way.
 
     With ``every_steps`` > 0 the automatic collector is off inside ``fit()``: the young
     generations are collected every ``every_steps`` steps (cheap: only recent objects), and a
