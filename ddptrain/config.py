@@ -76,7 +76,7 @@ class OptimConfig:
     nesterov: bool = False  # SGD Nesterov momentum
     fused: str = "auto"  # auto: fused Adam(W) kernels on CUDA
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
-    zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step (BENCHMARKS.md: -1% vs -5% throughput)
+    zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step instead of one per parameter
 
 
 @dataclass
