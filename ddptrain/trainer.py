@@ -137,6 +137,8 @@ class Trainer:
             prepare_loader_workers(loader, t.preempt_signals)
         if len(self.train_data) == 0:
             raise ValueError("train_data is empty on rank %d" % self.info.rank)
+        if self.cfg.checkpoint.keep_best > 0 and self.eval_data is None:
+            raise ConfigError("checkpoint.keep_best ranks checkpoints by an eval metric, and this run has no eval_data")
         steps_per_epoch = math.ceil(len(self.train_data) / t.grad_accum_steps)
         self.total_steps = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
         self.progress.schedule_steps = self.total_steps
