@@ -162,6 +162,8 @@ class Trainer:
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
         try:
+            if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
+                self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
             for micro in self.stream:
@@ -254,7 +256,7 @@ class Trainer:
         raise self.guard.error(reason, self.save() if reason == "nonfinite" else None)
 
     @torch.no_grad()
-    def evaluate(self, data: Optional[Iterable] = None, prefix: str = "eval") -> dict:
+    def evaluate(self, data: Optional[Iterable] = None, prefix: str = "eval", max_batches: int = 0) -> dict:
         """Loss per unit and user metrics over a whole data set, reduced as sums over ranks.
 
         Uses the unwrapped module: DDP's forward may run collectives (buffer broadcast), and
@@ -263,6 +265,7 @@ class Trainer:
         Args:
             data: defaults to the Trainer's ``eval_data`` (whose result feeds keep-best-k);
                 pass another loader to score, say, a test set, logged under ``prefix``.
+            max_batches: > 0: a probe of that many batches per rank, neither logged nor kept.
 
         Raises:
             ConfigError: ``checkpoint.keep_best`` ranks by a metric this evaluation does not produce.
@@ -274,6 +277,8 @@ class Trainer:
             batches = iter(self.eval_data if own else data)
         try:
             for i, batch in enumerate(batches):
+                if max_batches and i >= max_batches:
+                    break
                 if is_empty(batch):
                     continue  # an empty filler batch (a rank with fewer utterances than others)
                 batch = to_device(batch, self.device)
@@ -292,9 +297,10 @@ class Trainer:
         if own and c.keep_best > 0 and c.best_metric not in result:
             raise ConfigError(f"checkpoint.best_metric={c.best_metric!r} is not a metric this run's evaluation "
                               f"produces ({', '.join(result)}); checkpoint.keep_best needs one of them")
-        if own:
+        if own and not max_batches:
             p.last_eval, p.last_eval_step = result, p.step
-        self.logger.log(p.step, result, prefix=prefix)
+        if not max_batches:
+            self.logger.log(p.step, result, prefix=prefix)
         return result
 
     # ------------------------------------------------------------------ checkpointing

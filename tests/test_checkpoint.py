@@ -122,8 +122,10 @@ def test_failed_save_errors_on_every_rank_and_keeps_previous(tmp_path):
 def test_keep_best_by_a_metric_the_run_never_logs_is_refused(tmp_path):
     data = micro_batches(3)[0]
     cfg = make_cfg(tmp_path / "a", "trainer.max_steps=2", "checkpoint.keep_best=1", "checkpoint.best_metric=wer")
+    t = ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data, eval_data=data[:1])
     with pytest.raises(ddptrain.ConfigError, match=r"checkpoint.best_metric='wer' is not a metric .*\(loss\)"):
-        ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data, eval_data=data[:1]).fit()
+        t.fit()
+    assert t.step == 0  # refused before training, not after it
     cfg = make_cfg(tmp_path / "b", "trainer.max_steps=2", "checkpoint.keep_best=1")
     with pytest.raises(ddptrain.ConfigError, match="no eval_data"):
         ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data)
