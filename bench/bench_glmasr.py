@@ -1,0 +1,399 @@
+"""GLM-ASR-Nano-2512 training throughput on one GPU: ddptrain vs the HF Trainer, side by side.
+
+Workload ``glmasr``: ``GlmAsrForConditionalGeneration`` random-initialised from the published
+config (transformers' ``GlmAsrConfig`` defaults, 2.14B unique parameters), synthetic speech:
+lognormal durations (median 7 s, sigma 0.5, clipped 1-30 s), ~3 transcript tokens per second
+(+ EOS), a 20-token prompt around the audio placeholders, the loss on the transcript + EOS only,
+Whisper 128-bin log-mel computed in 6 loader workers; batch 16 utterances, one 30 s window each
+(``glmasr_win30``) or the encoder windows cut to the batch (``glmasr_cut``). Nothing is
+downloaded.
+
+Peers (one subprocess each, so memory peaks and compile caches do not leak between them, and a
+peer that does not finish in ``--timeout`` seconds is recorded as such):
+
+* ``hf``: transformers.Trainer, bf16, the model's own forward with ``labels`` (-100 off the
+  transcript), random batches of 16 (its default sampler), fused AdamW, clip 1.0.
+* ``hf_compile``: the same with ``torch_compile=True``.
+* ``hf_ds2``: the same under DeepSpeed ZeRO-2 (a config without an ``optimizer`` block, so the
+  HF Trainer's torch AdamW is used and no DeepSpeed op is compiled).
+* ``bare``: a plain loop over the same HF forward and batches: autocast bf16, fused AdamW, clip 1.0,
+  ``loss.item()`` every 10 steps.
+* ``ddptrain``: examples/finetune_glmasr.py's model and data under ddptrain.Trainer with
+  ``trainer.precision=bf16`` and nothing else (fp32 weights, eager).
+* ``ddptrain_best``: + bf16 weights with fp32 masters (``trainer.param_dtype=bf16``) and the
+  encoder/decoder layers compiled (``compile.module_classes``); ``..._cut``: encoder windows cut to
+  the batch (``glmasr.encoder_length=batch``); more variants by ``--ov NAME=k=v,k=v``.
+
+Timing: 8 warm-up steps, then 16 timed steps (``--warmup`` / ``--steps``), host clock around a
+device sync. MFU = FLOPs of the padded batches as that peer computes them / (time x 989.4e12,
+the dense bf16 peak of one H100/H200 SXM). Per batch of B utterances in R chunk rows of T mel
+frames and a decoder padded to L positions: encoder ``6 * P_enc_layers * R * T/2 + 12 * n_enc *
+d_enc * R * (T/2)^2`` + convs (conv1 2x forward: its input needs no gradient; conv2 3x) +
+projector ``6 * P_proj * R * T/8``; decoder ``6 * P_dec_layers * B * L + 6 * n_dec * d_dec * B *
+L^2`` (causal: half of the full attention's 12); LM head ``6 * vocab * d_dec * K``, with K = B * L
+for the HF forward (logits everywhere) and K = target tokens for ddptrain's. Recomputation is
+not counted.
+
+    python bench/bench_glmasr.py --out bench/results/h200x1_2026-12-01_glmasr.jsonl \\
+        --peers hf,hf_ds2,bare,ddptrain,ddptrain_best,ddptrain_best_cut
+    python bench/bench_glmasr.py --preset tiny --warmup 1 --steps 2 --peers ...   # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+import finetune_glmasr as fg  # noqa: E402
+
+import ddptrain  # noqa: E402
+
+PEAK_BF16 = 989.4e12  # dense bf16 tensor-core peak of one H100/H200 SXM (datasheet)
+SR = 16000
+OVERRIDES = {
+    "ddptrain": [],
+    "ddptrain_best": ["trainer.param_dtype=bf16", "compile.enabled=true", "compile.dynamic=true",
+                      "compile.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"],
+}
+OVERRIDES["ddptrain_cut"] = ["glmasr.encoder_length=batch"]
+OVERRIDES["ddptrain_best_cut"] = OVERRIDES["ddptrain_best"] + ["glmasr.encoder_length=batch"]
+OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
+    "recompute.enabled=true", "recompute.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"]
+HF_PEERS = ("hf", "hf_compile", "hf_ds2", "bare")
+
+
+# ------------------------------------------------------------------------------------ FLOPs
+
+
+class GlmAsrFlops:
+    """Training FLOPs of one padded batch (see the module docstring); plain numbers, picklable."""
+
+    def __init__(self, hf_model):
+        m, c = hf_model.model, hf_model.config
+        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+        self.p_enc = count(m.audio_tower.layers)
+        self.p_dec = count(m.language_model.layers)
+        self.p_proj = count(m.multi_modal_projector)
+        self.n_enc, self.d_enc = c.audio_config.num_hidden_layers, c.audio_config.hidden_size
+        self.n_dec, self.d_dec = c.text_config.num_hidden_layers, c.text_config.hidden_size
+        self.mel, self.vocab = c.audio_config.num_mel_bins, c.text_config.vocab_size
+
+    def __call__(self, rows: int, frames: int, batch: int, length: int, logits: int) -> float:
+        t2 = frames // 2
+        enc = 6.0 * self.p_enc * rows * t2 + 12.0 * self.n_enc * self.d_enc * rows * t2 * t2
+        conv = rows * (2.0 * 2 * frames * self.mel * 3 * self.d_enc + 3.0 * 2 * t2 * self.d_enc * 3 * self.d_enc)
+        proj = 6.0 * self.p_proj * rows * (frames // 8)
+        dec = 6.0 * self.p_dec * batch * length + 6.0 * self.n_dec * self.d_dec * batch * length * length
+        return enc + conv + proj + dec + 6.0 * self.vocab * self.d_dec * logits
+
+
+class StatsCollate:
+    """Wraps a GlmAsrCollator: adds ``stats`` (samples, audio seconds, FLOPs) to every batch and,
+    for the HF peers, turns the batch into the HF forward's keyword arguments."""
+
+    def __init__(self, inner, flops: GlmAsrFlops, hf: bool):
+        self.inner, self.flops, self.hf = inner, flops, hf
+
+    def __call__(self, examples):
+        b = self.inner(examples)
+        ids = b["input_ids"]
+        bsz, length = ids.shape
+        feats = b["features"]
+        logits = bsz * length if self.hf else b["labels"].numel()
+        stats = {"n": bsz, "audio_s": float(sum(e["audio"].numel() for e in examples)) / SR,
+                 "frames": feats.shape[1], "length": length,
+                 "flops": self.flops(feats.shape[0], feats.shape[1], bsz, length, logits)}
+        if not self.hf:
+            b["stats"] = stats
+            return b
+        labels = torch.full_like(ids, -100).flatten()
+        labels[b["pred_index"] + 1] = b["labels"]
+        ends = (b["pred_index"] // length).bincount(minlength=bsz) + b["prompt_lens"]
+        attn = (torch.arange(length)[None, :] < ends[:, None]).long()
+        mask = (torch.arange(feats.shape[1])[None, :] < b["chunk_frames"][:, None]).long()
+        return {"input_ids": ids, "attention_mask": attn, "labels": labels.view(bsz, length),
+                "input_features": feats.transpose(1, 2).contiguous(), "input_features_mask": mask, "stats": stats}
+
+
+# ------------------------------------------------------------------------------------ set-up
+
+
+def recipe_cfg(args, peer_overrides=()):
+    ov = ["trainer.precision=bf16", "trainer.clip_grad_norm=1.0", f"trainer.max_steps={args.warmup + args.steps + 1}",
+          f"trainer.output_dir={args.tmp}/{args.peer}", "checkpoint.save_at_end=false", "logging.tensorboard=false",
+          "logging.progress_bar=false", "logging.log_every=100000", "optim.lr=1e-5", "optim.betas=[0.9,0.999]",
+          f"glmasr.preset={args.preset}", f"data.num_workers={args.workers}", f"data.max_batch_size={args.batch}",
+          f"data.max_duration={args.batch * 30}", "data.num_buckets=20", "glmasr.synthetic_utterances=4000",
+          "scheduler.name=constant", *peer_overrides]
+    return ddptrain.load_config(os.path.join(HERE, "..", "configs", "glmasr.yaml"), [
+        "compile.enabled=false", "recompute.enabled=false", "trainer.param_dtype=fp32", *ov], schema=fg.RecipeConfig)
+
+
+def device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hf_model_and_data(args, cfg):
+    """The HF model and a loader of random batches over the same synthetic corpus as ddptrain's."""
+    from models.glmasr import load_hf_model
+
+    torch.manual_seed(0)
+    with torch.device(device()):
+        model = load_hf_model("", "published" if args.preset == "published" else "tiny",
+                              tiny_tokens=tiny_tokens() if args.preset == "tiny" else None)
+    layout = fg.synthetic_layout(model.config)
+    d, n = fg.synthetic_corpus(cfg.glmasr, cfg.data.seed)
+    dataset = fg.SyntheticSpeech(d, n, min(model.config.text_config.vocab_size, 50000), layout.eos_id)
+    collate, _ = fg.make_collator(cfg, layout, model.config.text_config.max_position_embeddings, True)
+    return model, dataset, StatsCollate(collate, GlmAsrFlops(model), hf=True)
+
+
+def tiny_tokens() -> dict:
+    return {"vocab_size": 512, "audio_token_id": 500, "eos_token_id": 2}
+
+
+# ------------------------------------------------------------------------------------ peers
+
+
+def run_ddptrain(args) -> dict:
+    cfg = recipe_cfg(args, OVERRIDES[args.peer] + list(args.ov))
+    info = ddptrain.setup_distributed(cfg)
+    tiny = tiny_tokens() if args.preset == "tiny" else None
+    from models.glmasr import GlmAsrForTraining, load_hf_model
+
+    torch.manual_seed(0)
+    with torch.device(info.device):
+        hf = load_hf_model("", args.preset, cfg.glmasr.attn_implementation, tiny)
+    model = GlmAsrForTraining(hf, cfg.glmasr.freeze_encoder)
+    layout = fg.synthetic_layout(hf.config)
+    flops = GlmAsrFlops(hf)
+    loader = fg.build_synthetic_loader(cfg, layout, hf.config.text_config.vocab_size, 1, 0,
+                                       hf.config.text_config.max_position_embeddings,
+                                       collate_wrapper=lambda c: StatsCollate(c, flops, hf=False))
+    objective = fg.GlmAsrObjective(layout, None, loader.feature_extractor)
+    calls = []
+
+    def timed(m, batch):
+        calls.append((time.perf_counter(), batch.pop("stats")))
+        return objective(m, batch)
+
+    reset_peak()
+    trainer = ddptrain.Trainer(model, timed, cfg, loader)
+    trainer.fit()
+    sync()
+    w, n = args.warmup, args.steps
+    elapsed = calls[w + n][0] - calls[w][0]
+    extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
+             "ov": OVERRIDES[args.peer] + list(args.ov), "data_batch_size_mean": loader.batch_sampler.epoch_stats()[
+                 "batch_size_mean"]}
+    return summarize(args, elapsed, [s for _, s in calls[w:w + n]], extra)
+
+
+def run_bare(args) -> dict:
+    cfg = recipe_cfg(args)
+    model, dataset, collate = hf_model_and_data(args, cfg)
+    dev = device()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01,
+                            fused=dev.type == "cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, shuffle=True, collate_fn=collate,
+                                         num_workers=args.workers, pin_memory=dev.type == "cuda", drop_last=True,
+                                         generator=torch.Generator().manual_seed(0),
+                                         prefetch_factor=4 if args.workers else None)
+    reset_peak()
+    model.train()
+    stats, t0 = [], None
+    it = iter(loader)
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            sync()
+            t0 = time.perf_counter()
+        batch = next(it)
+        s = batch.pop("stats")
+        if i >= args.warmup:
+            stats.append(s)
+        batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i % 10 == 0:
+            loss.item()
+    sync()
+    return summarize(args, time.perf_counter() - t0, stats, {})
+
+
+def run_hf(args) -> dict:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    cfg = recipe_cfg(args)
+    model, dataset, collate = hf_model_and_data(args, cfg)
+    w, n = args.warmup, args.steps
+    record = {"stats": [], "t": {}}
+
+    class BenchTrainer(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            s = inputs.pop("stats")
+            if w <= self.state.global_step < w + n:
+                record["stats"].append(s)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kw):
+            if state.global_step in (w, w + n):
+                sync()
+                record["t"][state.global_step] = time.perf_counter()
+
+    extra_args = {}
+    if args.peer == "hf_compile":
+        extra_args["torch_compile"] = True
+    if args.peer == "hf_ds2":
+        extra_args["deepspeed"] = {  # no "optimizer" block: the HF Trainer's torch AdamW, no DeepSpeed ops
+            "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+            "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    targs = TrainingArguments(
+        output_dir=f"{args.tmp}/{args.peer}", per_device_train_batch_size=args.batch, bf16=torch.cuda.is_available(),
+        max_steps=w + n, learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, logging_steps=100000,
+        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=args.workers,
+        dataloader_pin_memory=torch.cuda.is_available(), dataloader_prefetch_factor=4 if args.workers else None,
+        remove_unused_columns=False, seed=0, use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True,
+        **extra_args)
+    reset_peak()
+    trainer = BenchTrainer(model=model, args=targs, train_dataset=dataset, data_collator=collate, callbacks=[Clock()])
+    trainer.train()
+    sync()
+    return summarize(args, record["t"][w + n] - record["t"][w], record["stats"], {})
+
+
+# ------------------------------------------------------------------------------------ results
+
+
+def reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def summarize(args, elapsed: float, stats: list, extra: dict) -> dict:
+    tot = {k: sum(float(s[k]) for s in stats) for k in ("n", "audio_s", "flops")}
+    tflops = tot["flops"] / elapsed / 1e12
+    cut = "cut" in args.peer or any("encoder_length=batch" in o for o in args.ov)
+    return {
+        "workload": "glmasr_cut" if cut else "glmasr_win30", "peer": args.peer, "world_size": 1,
+        "batch": args.batch, "preset": args.preset, "steps": len(stats), "warmup": args.warmup,
+        "elapsed_s": round(elapsed, 3), "samples_per_s": tot["n"] / elapsed, "audio_s_per_s": tot["audio_s"] / elapsed,
+        "samples_per_step": tot["n"] / max(len(stats), 1),
+        "mean_frames": sum(s["frames"] for s in stats) / max(len(stats), 1),
+        "mean_decoder_length": sum(s["length"] for s in stats) / max(len(stats), 1),
+        "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
+        "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__, **extra,
+    }
+
+
+PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare}
+
+
+def run_one(args) -> dict:
+    if args.peer in PEERS:
+        return PEERS[args.peer](args)
+    if args.peer in OVERRIDES or args.peer.startswith("ddptrain"):
+        OVERRIDES.setdefault(args.peer, [])
+        return run_ddptrain(args)
+    raise ValueError(f"unknown peer {args.peer!r} (known: {sorted(PEERS) + sorted(OVERRIDES)})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peers", default="hf,hf_ds2,bare,ddptrain,ddptrain_best,ddptrain_best_cut")
+    p.add_argument("--out", default="")
+    p.add_argument("--preset", default="published", choices=("published", "tiny"))
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--workers", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=400.0, help="seconds per peer (its start and compile included)")
+    p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=v: a ddptrain peer with these overrides")
+    p.add_argument("--peer", help=argparse.SUPPRESS)  # internal: run one peer in this process
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--tmp", default="")
+    args = p.parse_args(argv)
+    if args.peer:
+        args.ov = [o for o in args.ov]
+        row = run_one(args)
+        with open(args.row, "w") as f:
+            json.dump(row, f)
+        return 0
+    named = dict(o.split("=", 1) for o in args.ov)
+    for name, ov in named.items():
+        OVERRIDES[name] = ov.split(",")
+    peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for peer in peers:
+            row_file = os.path.join(tmp, f"{peer}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
+                   "--preset", args.preset, "--batch", str(args.batch), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps), "--workers", str(args.workers)]
+            cmd += [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
+            env = dict(os.environ)
+            if peer == "hf_ds2":  # DeepSpeed wants a process group: one rank of torchrun's env
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+            tic = time.time()
+            try:
+                proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+                ok = proc.returncode == 0 and os.path.exists(row_file)
+                row = json.load(open(row_file)) if ok else {
+                    "workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
+                    "error": (proc.stdout + proc.stderr)[-3000:]}
+            except subprocess.TimeoutExpired as e:
+                ok = False
+                tail = ((e.stdout or b"") + (e.stderr or b""))[-1500:]
+                row = {"workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
+                       "error": f"did not finish within {args.timeout:.0f} s (start, compile and "
+                                f"{args.warmup + args.steps} steps)",
+                       "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
+            row["wall_s"] = round(time.time() - tic, 1)
+            failed += not ok
+            line = json.dumps(row)
+            print(line if ok else line[:2000], flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print(f"{'peer':<26}{'workload':<14}{'samples/s':>10}{'audio s/s':>11}{'peak GB':>9}{'MFU':>7}")
+    if args.out:
+        rows = [json.loads(x) for x in open(args.out)][-len(peers):]
+        for r in rows:
+            if "error" in r:
+                print(f"{r['peer']:<26}{r['workload']:<14}  error: {r['error'][:60]}")
+            else:
+                print(f"{r['peer']:<26}{r['workload']:<14}{r['samples_per_s']:>10.1f}{r['audio_s_per_s']:>11.0f}"
+                      f"{(r['peak_alloc_gb'] or 0):>9.1f}{r['mfu']:>7.1%}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
