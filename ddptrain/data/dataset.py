@@ -12,6 +12,14 @@ Runs inside DataLoader workers. Two things it exists to guarantee:
   rather than a list of Python objects: forked workers touching Python objects bump their
   reference counts, which copies the pages, so a list of a million entries slowly becomes
   ``num_workers`` lists of a million entries (pytorch/pytorch#13246).
+
+And one thing for exact resume: augmentation (speed perturbation, SpecAugment on worker-side
+features) is a pure function of ``(data.seed, epoch, index)``, drawn from a generator seeded
+from those three, never from a worker's own RNG. A worker's RNG depends on which worker loads an
+utterance and how much it has loaded before, which a resumed run (fresh workers, another
+position), another ``num_workers`` and persistent workers (one stream across epochs) all
+change; the epoch is the one piece of training state this needs, and :meth:`SpeechDataset.set_epoch`
+puts it into shared memory, where persistent workers see it too.
 """
 
 from __future__ import annotations
@@ -71,7 +79,8 @@ class SpeechDataset(Dataset):
         entries: the utterances (already validated, usually).
         cfg: data config: audio, features, augmentation and ``bad_data`` policy.
         tokenizer: ``CharTokenizer`` (or anything with ``encode``); ``None`` = no tokens.
-        train: apply speed perturbation and SpecAugment (training only).
+        train: apply speed perturbation and SpecAugment (training only), seeded from
+            ``cfg.seed``, the epoch (:meth:`set_epoch`) and the index.
 
     ``dataset[i]`` is a dict with ``id``, ``text``, ``tokens`` (int64 tensor, if a tokenizer is
     set) and either ``features`` (T, F) float32 (``feature_device: worker``) or ``audio`` (S,)
@@ -98,9 +107,29 @@ class SpeechDataset(Dataset):
             self.extractor = BatchFeatureExtractor(cfg).train(train)
         self._loaded = 0
         self._failed = 0
+        self.seed = int(cfg.seed)
+        # shared memory: DataLoader workers, forked or spawned, persistent or not, read the
+        # value the training process writes
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose augmentation ``dataset[i]`` draws; call it before each epoch
+        (the Trainer does, next to the sampler's ``set_epoch``).
+
+        Raises:
+            ValueError: a negative epoch.
+        """
+        if int(epoch) != epoch or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        self._epoch.fill_(int(epoch))
+
+    def _augmentation_rng(self, i: int) -> torch.Generator:
+        # SeedSequence mixes the three numbers, so neighbouring indices or epochs get unrelated streams
+        seed = np.random.SeedSequence([self.seed, int(self._epoch), i]).generate_state(1, np.uint64)[0]
+        return torch.Generator().manual_seed(int(seed))
 
     def __getitem__(self, i: int):
         try:
@@ -126,7 +155,8 @@ class SpeechDataset(Dataset):
         text = self.texts[i]
         if not text.strip():
             raise DataError("empty text")
-        speed = self.speeds[int(torch.randint(len(self.speeds), ()))] if self.speeds else 1.0
+        rng = self._augmentation_rng(i) if self.train else None
+        speed = self.speeds[int(torch.randint(len(self.speeds), (), generator=rng))] if self.speeds else 1.0
         seg = bool(self.is_segment[i])
         wave = load_audio(self.paths[i], cfg.sample_rate, float(self.offsets[i]),
                           float(self.durations[i]) if seg else None, speed)
@@ -144,7 +174,7 @@ class SpeechDataset(Dataset):
             out["audio"] = wave
             return out
         with torch.no_grad():
-            f = self.extractor(wave[None], torch.tensor([wave.numel()]))
+            f = self.extractor(wave[None], torch.tensor([wave.numel()]), generator=rng)
         n = int(f["feature_lens"][0])
         if n == 0:
             raise DataError(f"{self.paths[i]}: audio of {wave.numel()} samples is shorter than one feature frame")

@@ -52,7 +52,8 @@ class BatchFeatureExtractor(nn.Module):
         cfg: the data config (``features``, ``sample_rate``, ``num_mel_bins``, frame sizes,
             ``normalize``/``global_stats``, SpecAugment fields, ``pad_to_multiple``).
 
-    Call with ``audio`` (B, S) float and ``audio_lens`` (B,) int on any device; returns a dict
+    Call with ``audio`` (B, S) float and ``audio_lens`` (B,) int on any device, and optionally
+    a CPU ``generator`` for SpecAugment (default: the global RNG); returns a dict
     with ``features`` (B, T, F) float32, ``feature_lens`` (B,) int64 and ``padding_mask``
     (B, T) bool (True = padding), T rounded up to ``cfg.pad_to_multiple``.
 
@@ -125,7 +126,8 @@ class BatchFeatureExtractor(nn.Module):
         return torch.where(n >= self.win, 1 + torch.div(n - self.win, self.hop, rounding_mode="floor"),
                            torch.zeros_like(n))
 
-    def forward(self, audio: Tensor, audio_lens: Tensor) -> dict[str, Tensor]:
+    def forward(self, audio: Tensor, audio_lens: Tensor,
+                generator: Optional[torch.Generator] = None) -> dict[str, Tensor]:
         if self.kind == "whisper_logmel":
             return self._whisper(audio, audio_lens)
         audio = audio.float()
@@ -146,7 +148,7 @@ class BatchFeatureExtractor(nn.Module):
         feats = self._normalize(feats, lens, mask)
         if self.training and self.spec_augment:
             feats = spec_augment(feats, lens, self.freq_masks, self.freq_mask_width,
-                                 self.time_masks, self.time_mask_ratio)
+                                 self.time_masks, self.time_mask_ratio, generator)
         feats = feats.masked_fill(mask[:, :, None], 0.0)
         return {"features": feats.contiguous(), "feature_lens": lens, "padding_mask": mask}
 
