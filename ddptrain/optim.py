@@ -8,6 +8,8 @@ for no benefit and measurably hurts fine-tuning, so they get their own group wit
 (Adam's two moments: 8 bytes/parameter) for 1/N of the parameters and broadcasts its updated
 shard after the step. Gradients are still all-reduced by DDP, so every rank sees the full, true
 gradient: clipping by global norm and the GradScaler's inf check need no extra collective.
+With ``trainer.param_dtype: bf16`` the masters themselves are sharded instead
+(ddptrain/sharded_masters.py): a plain optimizer over the rank's own fp32 masters.
 """
 
 from __future__ import annotations
@@ -49,22 +51,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
-                    param_map: Optional[dict] = None) -> torch.optim.Optimizer:
+                    param_map=None) -> torch.optim.Optimizer:
     """The optimizer the config names, optionally ZeRO-sharded over the process group.
 
     Args:
         model: the (unwrapped) model; only parameters with ``requires_grad`` are optimised.
         cfg: the ``optim`` config section.
         device: training device; fused Adam kernels are used on CUDA when ``fused: auto``.
-        param_map: model parameter -> the tensor the optimizer updates instead (the fp32
-            masters of :class:`ddptrain.precision.MasterWeights`); groups are chosen on the model.
+        param_map: model parameter -> the tensor the optimizer updates instead (a dict), or a
+            :class:`ddptrain.precision.MasterWeights` (its ``to_master``). Groups are chosen on
+            the model. Sharded masters (``ShardedMasterWeights``) map only this rank's
+            parameters: the optimizer is then a plain one over them (every group kept, even if
+            empty here, so all ranks have the same groups), never ZeroRedundancyOptimizer.
 
     Raises:
         ValueError: no trainable parameters.
     """
     groups = param_groups(model, cfg.weight_decay)
-    if param_map:
-        groups = [dict(g, params=[param_map.get(p, p) for p in g["params"]]) for g in groups]
+    masters = getattr(param_map, "to_master", param_map)
+    sharded = getattr(param_map, "sharded", False)
+    if sharded:
+        groups = [dict(g, params=[masters[p] for p in g["params"] if p in masters]) for g in groups]
+    elif masters:
+        groups = [dict(g, params=[masters.get(p, p) for p in g["params"]]) for g in groups]
     if not groups:
         raise ValueError("the model has no parameters with requires_grad=True: nothing to train")
     name = cfg.name.lower()
@@ -81,7 +90,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     else:
         raise ValueError(f"optim.name={cfg.name!r} is not one of adamw, adam, sgd")
 
-    if cfg.zero and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if cfg.zero and not sharded and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # parameters_as_bucket_view packs each rank's parameters into flat buffers so the
@@ -95,6 +104,18 @@ def is_zero(optimizer) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def optimizer_state(optimizer, master=None):
+    """The per-rank stateful object a checkpoint saves for a sharded optimizer (ZeRO's shard, or
+    sharded masters with their optimizer state), or None: the optimizer is then saved once."""
+    if is_zero(optimizer):
+        return ZeroShardState(optimizer)
+    if getattr(master, "sharded", False):
+        from ddptrain.sharded_masters import ShardedMasterState
+
+        return ShardedMasterState(optimizer, master)
+    return None
 
 
 def skips_on_device(optimizer) -> bool:

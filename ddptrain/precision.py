@@ -99,10 +99,11 @@ class MasterWeights:
     bf16 (like ``dist.comm_hook=bf16``); floating-point buffers are bf16 too, except inside
     BatchNorm-type modules, whose parameters and buffers stay fp32 (``KEEP_FP32``).
 
-    Memory per trainable parameter: 2 (bf16 weight) + 2 (bf16 grad) + 4 (master) + 8 (Adam,
-    divided over ranks by ZeRO) + 4 transient (fp32 master gradient during the step; only for the
-    rank's own shard under ZeRO) — the same 16 B as fp32 parameters at rest, minus autocast's
-    2 B of transient weight copies, with the activations of a bf16 residual stream.
+    Memory per trainable parameter: 2 (bf16 weight) + 2 (bf16 grad) + 4 (master) + 8 (Adam)
+    + 4 transient (fp32 master gradient during the step) — the same 16 B as fp32 parameters at
+    rest, minus autocast's 2 B of transient weight copies, with the activations of a bf16
+    residual stream. Under ``optim.zero`` on several ranks the Trainer uses
+    :class:`ddptrain.sharded_masters.ShardedMasterWeights` instead: 4 + 12/N B.
 
     Args:
         model: the model, on its device, *not yet wrapped in DDP*; modified in place (parameters
@@ -110,6 +111,8 @@ class MasterWeights:
             gradient hooks would silently detach them (see :meth:`load_state_dict`).
         dtype: the low-precision dtype (``torch.bfloat16``).
     """
+
+    sharded = False  # every rank holds every master (see ddptrain/sharded_masters.py for the other kind)
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
         keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)

@@ -31,10 +31,11 @@ from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_em
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.metrics import reduce_ratios
-from ddptrain.optim import ZeroShardState, apply_hparams, build_optimizer, build_scheduler, is_zero
+from ddptrain.optim import apply_hparams, build_optimizer, build_scheduler, optimizer_state
 from ddptrain.precision import MasterWeights, Precision
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
+from ddptrain.sharded_masters import ShardedMasterWeights
 from ddptrain.steps import StepStream, stateful_sampler
 from ddptrain.update import StepUpdate
 
@@ -108,7 +109,8 @@ class Trainer:
         if cfg.trainer.param_dtype == "bf16":  # bf16 model, fp32 masters in the optimizer
             if self.info.distributed:
                 dist.broadcast_module(model)  # the masters are made here: same start on every rank
-            self.master = MasterWeights(model, torch.bfloat16)
+            sharded = cfg.optim.zero and self.info.world_size > 1  # each rank: its own partition's masters
+            self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
         self.module = model
         self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
         if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
@@ -119,8 +121,7 @@ class Trainer:
     def _setup_optimizer(self) -> None:
         """Optimizer (plain or ZeRO, over the masters if any), precision policy, LR schedule."""
         cfg, t = self.cfg, self.cfg.trainer
-        self.optimizer = build_optimizer(self.module, cfg.optim, self.device,
-                                         self.master.to_master if self.master else None)
+        self.optimizer = build_optimizer(self.module, cfg.optim, self.device, self.master)
         self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
         # the tensors whose gradients backward fills (the model's; with masters they are bf16)
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -311,17 +312,15 @@ class Trainer:
         shared = {"scheduler": self.scheduler, "precision": self.precision, "progress": self.progress}
         per_rank = {"rng": self.rng, "sampler": SamplerPosition(sampler, self.progress) if sampler
                     else LoaderPosition(self.progress)}
-        if is_zero(self.optimizer):
-            per_rank["optimizer"] = ZeroShardState(self.optimizer)
-        else:
-            shared["optimizer"] = self.optimizer
+        sharded = optimizer_state(self.optimizer, self.master)  # ZeRO's shard or the sharded masters
+        (per_rank if sharded else shared)["optimizer"] = sharded or self.optimizer
         return shared, per_rank
 
     def save(self) -> str:
         """Collective save of the complete training state (see ddptrain/checkpoint.py)."""
         c, p = self.cfg.checkpoint, self.progress
         metrics = p.last_eval if p.last_eval_step == p.step else {}
-        meta = {"epoch": p.epoch, "zero": is_zero(self.optimizer), "run_id": p.run_id,
+        meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
         weights = self.master.state_dict(self.module) if self.master else self.module
         path = ckpt.save(self.ckpt_root, p.step, weights, *self._states(), meta, self.device,
