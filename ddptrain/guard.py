@@ -20,11 +20,13 @@ class StepGuard:
         cfg: the ``trainer`` config section (``max_nonfinite_steps``, ``fp16_min_scale``).
         precision: the :class:`~ddptrain.precision.Precision` policy (mode, loss scale).
         progress: the counters it keeps (skipped steps, non-finite and empty steps in a row).
-        say: prints a line (rank 0's logger).
+
+    ``say`` prints a line (the Trainer sets it to its logger's ``print`` once the logger exists).
     """
 
-    def __init__(self, cfg: TrainerConfig, precision, progress: TrainingProgress, say: Callable[[str], None]):
-        self.cfg, self.precision, self.progress, self.say = cfg, precision, progress, say
+    def __init__(self, cfg: TrainerConfig, precision, progress: TrainingProgress):
+        self.cfg, self.precision, self.progress = cfg, precision, progress
+        self.say: Callable[[str], None] = print
 
     def judge(self, stepped: bool, loss_sum: float, units: float, norm: float, negative: float,
               ids: str) -> Optional[str]:

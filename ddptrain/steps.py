@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ddptrain.config import TrainerConfig
 from ddptrain.progress import RNGStreams, TrainingProgress
 
 
@@ -30,16 +31,30 @@ class StepStream:
         loader: the training DataLoader (or any re-iterable with ``len``).
         progress: epoch, batches consumed, step (read and advanced by the loop and here).
         rng: this rank's streams; a resumed state is applied before the first iterator.
-        accum: micro-batches per optimizer step (``trainer.grad_accum_steps``).
-        finished: whether the run is over (``max_steps`` or ``max_epochs`` reached).
+        cfg: the ``trainer`` section: ``grad_accum_steps`` micro-batches per step, and the run's
+            length (``max_steps``, or ``max_epochs`` when it is 0).
         epoch_end: called after each finished epoch (a full GC, where the ranks wait anyway).
+
+    It holds no reference to the Trainer: a finished Trainer is freed at once, and with it a
+    loader's persistent workers (see :meth:`stop_workers`).
     """
 
-    def __init__(self, loader: Any, progress: TrainingProgress, rng: RNGStreams, accum: int,
-                 finished: Callable[[], bool], epoch_end: Callable[[], None]):
-        self.loader, self.progress, self.rng, self.accum = loader, progress, rng, accum
-        self.finished, self.epoch_end = finished, epoch_end
+    def __init__(self, loader: Any, progress: TrainingProgress, rng: RNGStreams, cfg: TrainerConfig,
+                 epoch_end: Callable[[], None]):
+        self.loader, self.progress, self.rng, self.cfg = loader, progress, rng, cfg
+        self.epoch_end = epoch_end
         self.wait_s = 0.0  # how long the last step waited for its data
+
+    def finished(self) -> bool:
+        p, t = self.progress, self.cfg
+        return p.step >= t.max_steps if t.max_steps > 0 else p.epoch >= t.max_epochs
+
+    def stop_workers(self) -> None:
+        """Shut a DataLoader's persistent workers down now (``fit`` is over), instead of whenever
+        the loader is garbage-collected: a worker ignores SIGTERM (process.py), so a late shutdown
+        can leave it running until the process exits."""
+        if getattr(self.loader, "_iterator", None) is not None:
+            self.loader._iterator = None  # its __del__ shuts the workers down
 
     def __iter__(self) -> Iterator[list]:
         p = self.progress
@@ -48,7 +63,7 @@ class StepStream:
             try:
                 while not self.finished():
                     tic = time.perf_counter()
-                    micro = list(itertools.islice(batches, self.accum))
+                    micro = list(itertools.islice(batches, self.cfg.grad_accum_steps))
                     self.wait_s = time.perf_counter() - tic
                     if not micro:
                         break

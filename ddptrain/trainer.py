@@ -85,6 +85,7 @@ class Trainer:
             changed = self._resume(resume_from) if resume_from else {}
             self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main,
                                     self.total_steps, self.progress.step)
+            self.guard.say = self.logger.print
             if self.info.is_main:
                 resume.record(t.output_dir, to_yaml(config), self.progress.step if resume_from else None, changed)
         except BaseException:
@@ -127,7 +128,7 @@ class Trainer:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.update = StepUpdate(self.optimizer, self.precision, self.master, params, self.info.world_size,
                                  t.clip_grad_norm, self.device)
-        self.guard = StepGuard(t, self.precision, self.progress, lambda line: self.logger.print(line))
+        self.guard = StepGuard(t, self.precision, self.progress)  # it prints through the logger, once made
 
     def _setup_data(self) -> None:
         """Loader workers, run length and schedule horizon, signals, GC, CPU threads."""
@@ -146,8 +147,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.total_steps)
         self.preemption = PreemptionFlag(t.preempt_signals)
         self.gc = StepPacedGC(t.gc_every_steps)  # collector pauses at the same steps on all ranks
-        self.stream = StepStream(self.train_data, self.progress, self.rng, t.grad_accum_steps, self._finished,
-                                 self.gc.full)
+        self.stream = StepStream(self.train_data, self.progress, self.rng, t, self.gc.full)
 
     # ------------------------------------------------------------------ the loop
 
@@ -167,7 +167,7 @@ class Trainer:
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
-            for micro in self.stream:
+            for micro in self.stream:  # until trainer.max_steps / max_epochs
                 out = self.train_step(micro)
                 self.gc.step(p.step)
                 self._log_step(out)
@@ -189,10 +189,7 @@ class Trainer:
             self.gc.stop()
             self.logger.flush()
             self._release_folder()
-
-    def _finished(self) -> bool:
-        t, p = self.cfg.trainer, self.progress
-        return p.step >= t.max_steps if t.max_steps > 0 else p.epoch >= t.max_epochs
+            self.stream.stop_workers()
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this rank's micro-batches; collective with all ranks."""

@@ -123,11 +123,7 @@ def train(out: str, run: str, sampler: str, world: int, rank: int, workers: int,
                                             vocab_size=tokenizer.vocab_size, dropout=0.1))
     objective = CTCObjective(tokenizer, getattr(loader, "feature_extractor", None))
     trainer = ddptrain.Trainer(model, objective, cfg, loader)
-    trainer.fit()
-    # A Trainer sits in a reference cycle, so the cyclic GC frees it, and torch's persistent
-    # workers cannot be shut down from there (their queues are finalised first: 5 s per worker,
-    # then they linger): free the loader's iterator while it can still stop them.
-    loader._iterator = None
+    trainer.fit()  # shuts its loader's persistent workers down (test_trainer.py checks)
     return {"step": trainer.step, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 

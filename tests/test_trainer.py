@@ -457,3 +457,40 @@ def test_host_unit_counts_are_not_copied_to_the_device_per_micro_batch(tmp_path)
             trainer.train_step([batch] * n)
         counts.append(HostTensors.count)
     assert counts[0] == counts[1], f"host-made tensors per step grow with micro-batches: {counts}"
+
+
+class _Frames(torch.utils.data.Dataset):
+    def __init__(self):
+        self.batches = micro_batches(2)[0]
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def test_a_finished_trainer_leaves_no_worker_and_no_cycle(tmp_path):
+    """Persistent loader workers end with fit(), and the Trainer is freed by reference counting
+    (a reference cycle left it to the collector, whose late worker shutdown stalled and let
+    SIGTERM-ignoring workers live on)."""
+    import multiprocessing
+    import time
+    import weakref
+
+    loader = torch.utils.data.DataLoader(_Frames(), batch_size=None, num_workers=2, persistent_workers=True)
+    torch.manual_seed(0)
+    trainer = ddptrain.Trainer(FrameMLP(), frame_loss, make_cfg(tmp_path, "trainer.max_steps=3"), loader)
+    trainer.fit()
+    trainer.close()
+    alive = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert alive() is None, "the Trainer is in a reference cycle"
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
