@@ -51,6 +51,7 @@ class TrainerConfig:
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these (SIGTERM, TERM and term all name SIGTERM)
     preempt_exit_code: int = 0  # exit code after a preemption save (0: torchrun does not restart)
+    preflight: str = "off"  # before training, one step on the costliest batch each bucket can hold, so an OOM names its bucket in the first minute (ddptrain/tune.py): worst (the few worst buckets) | all (every bucket) | off
     gc_every_steps: int = 50  # Python GC: collect young objects every N steps on all ranks, full at epoch ends/evals/saves, automatic GC off during fit; 0 = Python's automatic GC
 
 
@@ -98,6 +99,8 @@ class CheckpointConfig:
     resume: str = "none"  # auto: the newest complete checkpoint in output_dir, if any; or a checkpoint path
     min_free_gb: float = 1.0  # refuse to start if the checkpoint disk has less free space
     start_over: bool = False  # a new run in a folder holding another run's checkpoints: true moves that run's files to output_dir/archive/ (else refused)
+    trainable_only: bool = False  # model.safetensors holds the trainable parameters and buffers only (LoRA adapters, a new head); the frozen rest comes from checkpoint.base_model
+    base_model: str = ""  # the pretrained weights the frozen parameters were loaded from (safetensors file or folder); named in trainable-only checkpoints, ddptrain.load_weights reads it first
 
 
 @dataclass
@@ -128,6 +131,16 @@ class CompileConfig:
 
 
 @dataclass
+class LoraConfig:
+    enabled: bool = False  # add LoRA adapters (ddptrain/lora.py) to the nn.Linear layers named by lora.targets; every other parameter is frozen
+    targets: list[str] = field(default_factory=list)  # module-name globs of the layers to adapt, e.g. ["*.self_attn.q_proj", "*.mlp.*_proj"]
+    rank: int = 16  # adapter rank r
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input (training only)
+    trainable: list[str] = field(default_factory=list)  # parameter-name globs that stay trainable besides the adapters (a new head, norms)
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -137,6 +150,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
 
@@ -266,6 +280,7 @@ RULES: dict[str, Rule] = {
     "trainer.fp16_min_scale": at_least(0),
     "trainer.preempt_signals": SIGNALS,
     "trainer.preempt_exit_code": within(0, 255),
+    "trainer.preflight": one_of("off", "worst", "all"),
     "trainer.gc_every_steps": Rule(">= 0", lambda v: v),  # checked where it is used: process.StepPacedGC
     "dist.backend": one_of("auto", "nccl", "gloo"),
     "dist.timeout_s": at_least(1),
@@ -297,6 +312,8 @@ RULES: dict[str, Rule] = {
     "checkpoint.resume": keyword_or_path("none", "auto"),
     "checkpoint.min_free_gb": at_least(0),
     "checkpoint.start_over": ANY,
+    "checkpoint.trainable_only": ANY,
+    "checkpoint.base_model": ANY,
     "logging.log_every": at_least(1),
     "logging.tensorboard": ANY,
     "logging.jsonl": ANY,
@@ -312,6 +329,12 @@ RULES: dict[str, Rule] = {
     "compile.dynamic": one_of("auto", "true", "false"),
     "compile.backend": not_empty(),
     "compile.ddp_overlap": ANY,
+    "lora.enabled": ANY,
+    "lora.targets": items(not_empty()),
+    "lora.rank": at_least(1),
+    "lora.alpha": above(0),
+    "lora.dropout": within(0, 1, high_open=True),
+    "lora.trainable": items(not_empty()),
     "data.train_manifest": ANY,
     "data.eval_manifest": ANY,
     "data.tokenizer": ANY,
@@ -334,6 +357,7 @@ RULES: dict[str, Rule] = {
     "data.max_batch_size": at_least(0),
     "data.quadratic_duration": at_least(0),
     "data.num_buckets": at_least(1),
+    "data.bucket_budgets": ANY,  # the sampler checks the file against the data set, naming the file
     "data.bucket_sort_pool": at_least(0),
     "data.sync_buckets": ANY,
     "data.shuffle": ANY,
@@ -364,6 +388,11 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
     (("optim.name", "optim.nesterov", "optim.momentum"),
      lambda name, nesterov, momentum: not (name == "sgd" and nesterov and momentum == 0),
      "optim.nesterov=true needs optim.momentum > 0"),
+    (("lora.enabled", "lora.targets"), lambda on, targets: not on or bool(targets),
+     "lora.enabled=true needs lora.targets (module-name globs of the nn.Linear layers to adapt)"),
+    (("checkpoint.trainable_only", "checkpoint.base_model"), lambda only, base: not only or bool(str(base).strip()),
+     "checkpoint.trainable_only=true needs checkpoint.base_model (the weights the frozen parameters come from: "
+     "load_weights reads them before the checkpoint's own)"),
     (("recompute.enabled", "recompute.module_classes", "recompute.name_globs"),
      lambda on, classes, globs: not on or bool(classes) or bool(globs),
      "recompute.enabled=true needs recompute.module_classes or recompute.name_globs (which modules to recompute)"),

@@ -30,6 +30,7 @@ from ddptrain.config import Config, ConfigError, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
+from ddptrain.lora import apply_lora
 from ddptrain.metrics import reduce_ratios
 from ddptrain.optim import apply_hparams, build_optimizer, build_scheduler, optimizer_state
 from ddptrain.precision import MasterWeights, Precision
@@ -97,9 +98,10 @@ class Trainer:
     # ------------------------------------------------------------------ set-up, in three steps
 
     def _setup_model(self, model: nn.Module) -> None:
-        """Device, recompute, compile, master weights, DDP: the order each of them needs."""
+        """Device, LoRA, recompute, compile, master weights, DDP: the order each of them needs."""
         cfg = self.cfg
-        model = model.to(self.device)
+        model, lc = model.to(self.device), cfg.lora  # LoRA first: recompute/compile/masters/DDP see its parameters
+        self.adapted = apply_lora(model, lc.targets, lc.rank, lc.alpha, lc.dropout, lc.trainable) if lc.enabled else []
         self.recomputed: list[str] = []
         if cfg.recompute.enabled:
             from ddptrain.recompute import apply_recompute

@@ -1,0 +1,221 @@
+"""ddptrain/lora.py: zero-initialised adapters reproduce the base model, merged and unmerged
+outputs agree, only adapters train (the frozen base in bf16 with no masters), 2-rank DDP with
+frozen parameters needs no unused-parameter search and matches one rank, and LoRA composes with
+recompute and regional compile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ddptrain
+from _dist import run_ranks
+from ddptrain.lora import LoRALinear, apply_lora, lora_state_dict, merge_lora, merged_state_dict, unmerge_lora
+from test_trainer import make_cfg, params_of
+
+D = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(D, D)
+        self.v_proj = nn.Linear(D, D, bias=False)
+        self.norm = nn.LayerNorm(D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x):
+        h = x + torch.tanh(self.q_proj(x)) * self.v_proj(x)
+        return h + self.mlp(self.norm(h))
+
+
+class Tiny(nn.Module):
+    """Two blocks and a head: the targets are attention-like and MLP projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, 1)
+        self.aux = nn.Linear(D, D)  # never called: were it trainable, DDP would need find_unused_parameters
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h).squeeze(-1)
+
+
+TARGETS = ["blocks.*.q_proj", "blocks.*.v_proj", "blocks.*.mlp.*"]
+
+
+def loss_fn(model, batch):
+    err = (model(batch["x"]).float() - batch["y"]) ** 2
+    return err.sum(), err.numel()
+
+
+def data(n, seed=0, rows=4):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, 5, 3, generator=g), "y": torch.randn(rows, 5, generator=g)} for _ in range(n)]
+
+
+def _randomise_adapters(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.3)
+
+
+def test_zero_initialised_adapters_reproduce_the_base_model():
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(2, 5, 3)
+    base_out, base_keys = model(x), set(model.state_dict())
+    names = apply_lora(model, TARGETS, rank=4, alpha=8)
+    assert names == ["blocks.0.q_proj", "blocks.0.v_proj", "blocks.0.mlp.0", "blocks.0.mlp.2",
+                     "blocks.1.q_proj", "blocks.1.v_proj", "blocks.1.mlp.0", "blocks.1.mlp.2"]
+    assert torch.equal(model(x), base_out)
+    # base names unchanged (base checkpoints load as they are); adapters are <layer>.lora_A / lora_B
+    assert set(model.state_dict()) == base_keys | set(lora_state_dict(model))
+    assert "blocks.0.q_proj.lora_A" in lora_state_dict(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_state_dict(model))
+    assert isinstance(model.blocks[0].q_proj, nn.Linear) and model.blocks[0].q_proj.lora_scaling == 2.0
+
+
+def test_merged_and_unmerged_outputs_agree_and_merge_restores_the_base_layout():
+    torch.manual_seed(0)
+    model = Tiny()
+    base_keys, w0 = set(model.state_dict()), model.blocks[0].q_proj.weight.detach().clone()
+    x = torch.randn(2, 5, 3)
+    base_out = model(x)
+    apply_lora(model, TARGETS, rank=4, alpha=8, dropout=0.5)
+    _randomise_adapters(model)
+    model.eval()  # dropout off: the adapter's eval output is what merging bakes in
+    unmerged = model(x)
+    assert (unmerged - base_out).abs().max() > 0.1  # the adapters do change the output
+    exported = merged_state_dict(model)
+    assert set(exported) == base_keys and torch.equal(model.blocks[0].q_proj.weight, w0)  # model unchanged
+
+    merge_lora(model, keep_adapters=True)
+    torch.testing.assert_close(model(x), unmerged, rtol=1e-5, atol=1e-6)
+    unmerge_lora(model)
+    torch.testing.assert_close(model.blocks[0].q_proj.weight, w0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model(x), unmerged, rtol=1e-5, atol=1e-6)
+
+    merge_lora(model)
+    assert type(model.blocks[0].q_proj) is nn.Linear and set(model.state_dict()) == base_keys
+    torch.testing.assert_close(model(x), unmerged, rtol=1e-5, atol=1e-6)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, exported[k]), k
+
+    plain = Tiny()
+    plain.load_state_dict(exported)  # the base model's own class loads the merged weights
+    torch.testing.assert_close(plain.eval()(x), unmerged, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_targets_and_globs_are_errors():
+    class Sub(nn.Linear):
+        pass
+
+    model = Tiny()
+    with pytest.raises(ValueError, match="matched no nn.Linear layer.*blocks.0.q_proj"):
+        apply_lora(model, ["*.k_proj"])
+    with pytest.raises(ValueError, match="trainable globs \\['nope.\\*'\\] matched no parameter"):
+        apply_lora(model, TARGETS, trainable=["nope.*"])
+    model.head = Sub(D, 1)
+    with pytest.raises(ValueError, match="head is a Sub, a subclass of nn.Linear"):
+        apply_lora(model, ["head"])
+    apply_lora(model, ["blocks.0.q_proj"])
+    with pytest.raises(ValueError, match="already has a LoRA adapter"):
+        apply_lora(model, ["blocks.0.q_proj"])
+    with torch.device("meta"):
+        meta = Tiny()
+    with pytest.raises(ValueError, match="meta device: load the base weights"):
+        apply_lora(meta, TARGETS)
+    with pytest.raises(ddptrain.ConfigError, match="lora.enabled=true needs lora.targets"):
+        ddptrain.load_config(None, ["lora.enabled=true"])
+    with pytest.raises(ddptrain.ConfigError, match="lora.rank=0"):
+        ddptrain.load_config(None, ["lora.rank=0"])
+
+
+LORA = ("lora.enabled=true", f"lora.targets={TARGETS}".replace("'", ""), "lora.rank=4", "lora.alpha=8",
+        "lora.trainable=[head.*]")
+BF16 = ("trainer.precision=bf16", "trainer.param_dtype=bf16")
+
+
+def test_trainer_trains_adapters_only_with_the_frozen_base_in_bf16_without_masters(tmp_path):
+    torch.manual_seed(0)
+    model = Tiny()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = make_cfg(tmp_path, "trainer.max_steps=3", "checkpoint.save_at_end=false", *LORA, *BF16)
+    trainer = ddptrain.Trainer(model, loss_fn, cfg, data(3))
+    assert len(trainer.adapted) == 8
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    masters = {id(p) for p, _ in trainer.master.pairs}
+    assert masters == {id(p) for p in model.parameters() if p.requires_grad}  # adapters + head only
+    trainer.fit()
+    after = model.state_dict()
+    for k, v in base.items():
+        if k.startswith("head."):
+            assert not torch.equal(after[k].float(), v.to(torch.bfloat16).float()), f"{k} did not train"
+        else:
+            assert torch.equal(after[k], v.to(after[k].dtype)), f"frozen {k} changed"
+    assert all(not torch.equal(v, torch.zeros_like(v)) for k, v in lora_state_dict(model).items() if "lora_B" in k)
+
+
+def _ddp_worker(rank, world, out, extra):
+    torch.manual_seed(0)
+    model = Tiny()
+    cfg = make_cfg(os.path.join(out, "ddp"), "trainer.max_steps=3", "checkpoint.save_at_end=false",
+                   "dist.find_unused_parameters=false", *LORA, *extra)
+    trainer = ddptrain.Trainer(model, loss_fn, cfg, data(3, seed=rank, rows=2))
+    trainer.fit()
+    if rank == 0:
+        torch.save(params_of(model), os.path.join(out, "ddp.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_two_rank_ddp_with_frozen_base_needs_no_unused_parameter_search_and_matches_one_rank(tmp_path):
+    """DDP registers only the adapters (and the head): the frozen base never takes part in the
+    gradient all-reduce, and with find_unused_parameters=false nothing complains."""
+    run_ranks(_ddp_worker, 2, str(tmp_path), ())
+    two = torch.load(tmp_path / "ddp.pt")
+    torch.manual_seed(0)
+    one = Tiny()
+    both = [{"x": torch.cat([a["x"], b["x"]]), "y": torch.cat([a["y"], b["y"]])}
+            for a, b in zip(data(3, seed=0, rows=2), data(3, seed=1, rows=2))]
+    cfg = make_cfg(tmp_path / "one", "trainer.max_steps=3", "checkpoint.save_at_end=false", *LORA)
+    ddptrain.Trainer(one, loss_fn, cfg, both).fit()
+    for k, v in params_of(one).items():
+        torch.testing.assert_close(two[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert not torch.equal(two["blocks.0.q_proj.lora_B"], torch.zeros_like(two["blocks.0.q_proj.lora_B"]))
+
+
+def test_composes_with_recompute_and_regional_compile(tmp_path):
+    """The adapted layers inside recomputed, compiled blocks give the eager model's gradients."""
+    def grads(*extra):
+        torch.manual_seed(0)
+        model = Tiny()
+        cfg = make_cfg(tmp_path / "x", "trainer.max_steps=1", "checkpoint.save_at_end=false",
+                       "checkpoint.start_over=true", *LORA, "lora.dropout=0.3", *extra)
+        trainer = ddptrain.Trainer(model, loss_fn, cfg, data(1))
+        _randomise_adapters(model)
+        torch.manual_seed(5)  # the same dropout masks in every variant
+        loss, _ = loss_fn(trainer.model, data(1)[0])
+        loss.backward()
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        trainer.close()
+        return out
+
+    plain = grads()
+    both = grads("recompute.enabled=true", "recompute.module_classes=[Block]", "compile.enabled=true",
+                 "compile.module_classes=[Block]", "compile.backend=aot_eager")
+    assert set(plain) == set(both) and any("lora_A" in k for k in plain)
+    for k, v in plain.items():
+        torch.testing.assert_close(both[k], v, rtol=1e-5, atol=1e-6, msg=k)
