@@ -145,7 +145,11 @@ def test_bf16_master_weights_rule_and_real_tensors():
     assert (one["params"], one["grads"], one["masters"], one["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
     assert one["total"] == 16 * n and one["autocast_weight_copies"] == 0 and one["master_grads"] == 4 * n
     z2 = estimate_model_state(n, _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.zero=true"), 2)
-    assert z2["optimizer"] == 4 * n and z2["master_grads"] == 2 * n and z2["total"] == 12 * n
+    # ZeRO shards the masters with the Adam state: 4 + 12/N (sharded_masters.py)
+    assert z2["optimizer"] == 4 * n and z2["masters"] == 2 * n and z2["master_grads"] == 2 * n
+    assert z2["total"] == 10 * n
+    z8 = estimate_model_state(8000, _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.zero=true"), 8)
+    assert z8["total"] == 8000 * (4 + 12 / 8)
 
     # against the tensors MasterWeights and the optimizer really hold
     from ddptrain.optim import build_optimizer
@@ -166,3 +170,75 @@ def test_bf16_master_weights_rule_and_real_tensors():
     assert sum(m.grad.numel() * m.grad.element_size() for _, m in master.pairs) == est["master_grads"]
     opt.step()
     assert _state_bytes(opt) == est["optimizer"]
+
+
+def test_frozen_parameters_cost_their_weights_only():
+    n, lora = 1_000_000, 5_000
+    bf = _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16")
+    est = estimate_model_state(n, bf, 1, trainable=lora)
+    assert est["params"] == 2 * n and est["grads"] == 2 * lora
+    assert est["masters"] == 4 * lora and est["optimizer"] == 8 * lora and est["total"] == 2 * n + 14 * lora
+    with pytest.raises(ValueError, match="trainable"):
+        estimate_model_state(n, bf, 1, trainable=2 * n)
+    # the model path agrees: a LoRA-adapted model counted from its requires_grad flags
+    from ddptrain.lora import apply_lora
+
+    model = Net()
+    apply_lora(model, ["body.*"], rank=2)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapters == 2 * (16 + 64) + 2 * (64 + 16)
+    by_model = estimate_model_state(model, bf, 1)
+    assert by_model["num_trainable"] == adapters and by_model["grads"] == 2 * adapters
+
+
+def test_fits_table_marks_what_does_not_fit():
+    from ddptrain.memory import fits_table
+
+    text = fits_table(sizes=(10.29e9,), gpus=(1, 2), measured={(10.29e9, 1, "lora"): 31.0})
+    full = next(line for line in text.splitlines() if "| full |" in line)
+    lora = next(line for line in text.splitlines() if "| LoRA |" in line)
+    assert full.split("|")[3].strip().endswith("(no)")  # 10B full fine-tune on one GPU: no
+    assert not full.split("|")[4].strip().endswith("(no)")  # on 2 GPUs with sharded masters: yes
+    assert "measured peak 31.0" in lora
+    assert main(["--table"]) == 0
+
+
+def _sharded_masters_worker(rank, world, out):
+    """Real per-rank tensors of sharded masters (bf16 model, ZeRO) against the estimate."""
+    torch.manual_seed(0)
+    model = Net()
+    cfg = _cfg("optim.zero=true", "trainer.device=cpu", "trainer.precision=bf16", "trainer.param_dtype=bf16")
+    ddptrain.setup_distributed(cfg)
+    from ddptrain.optim import build_optimizer
+    from ddptrain.sharded_masters import ShardedMasterWeights
+
+    master = ShardedMasterWeights(model)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), master)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 7), torch.randint(0, 50, (4,))).float().square().sum().backward()
+    master.load_grads(1.0)
+    unique = list({id(p): p for p in model.parameters()}.values())
+    measured = torch.tensor([sum(p.numel() * p.element_size() for p in unique),
+                             sum(p.grad.numel() * p.grad.element_size() for p in unique if p.grad is not None),
+                             sum(m.numel() * m.element_size() for p, m in master.pairs if p is not m),
+                             sum(m.grad.numel() * m.grad.element_size() for _, m in master.pairs)])
+    opt.step()
+    master.copy_to_model()
+    measured = torch.cat([measured, torch.tensor([_state_bytes(opt)])])
+    gathered = [torch.zeros_like(measured) for _ in range(world)]
+    torch.distributed.all_gather(gathered, measured)
+    if rank == 0:
+        torch.save({"per_rank": [g.tolist() for g in gathered], "est": estimate_model_state(model, cfg, world)},
+                   os.path.join(out, "sharded.pt"))
+
+
+@pytest.mark.timeout(120)
+def test_sharded_masters_estimate_against_real_tensors(tmp_path):
+    run_ranks(_sharded_masters_worker, 2, str(tmp_path))
+    res = torch.load(tmp_path / "sharded.pt", weights_only=False)
+    per_rank, est = res["per_rank"], res["est"]
+    params, grads, masters, master_grads, optimizer = zip(*per_rank)
+    assert all(p == est["params"] for p in params) and all(g == est["grads"] for g in grads)
+    assert sum(masters) == 4 * est["num_trainable"] and max(masters) == est["masters"] < 4 * est["num_trainable"]
+    assert max(master_grads) == est["master_grads"] == max(masters)
+    assert sum(optimizer) == 8 * est["num_trainable"] and max(optimizer) == est["optimizer"]
