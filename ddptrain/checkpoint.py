@@ -4,6 +4,7 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
 
     step_00000120/
         model.safetensors     weights only; loadable with safetensors + load_state_dict, no ddptrain
+                              (checkpoint.trainable_only: the trainable tensors, the base by path)
         trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress), rank 0
         {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer shard
         config.yaml           the config the checkpoint was saved under
@@ -113,10 +114,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def save_weights(model: Union[nn.Module, dict], path: str) -> None:
+def save_weights(model: Union[nn.Module, dict], path: str, metadata: Optional[dict] = None) -> None:
     """Model weights (a module, or a state dict) as safetensors. Tied (shared) tensors are stored
     as separate copies so the file loads with plain ``safetensors.torch.load_file`` +
-    ``load_state_dict``."""
+    ``load_state_dict``. ``metadata``: extra string entries for the file's header (see
+    :func:`weights_to_save`)."""
     state, seen = {}, set()
     weights = model if isinstance(model, dict) else unwrap(model).state_dict()
     for k, v in weights.items():
@@ -125,7 +127,24 @@ def save_weights(model: Union[nn.Module, dict], path: str) -> None:
             t = t.clone()
         seen.add(t.data_ptr())
         state[k] = t.to("cpu").contiguous()
-    save_file(state, path, metadata={"format": "pt", "writer": "ddptrain"})
+    save_file(state, path, metadata={"format": "pt", "writer": "ddptrain", **(metadata or {})})
+
+
+def weights_file(path: str) -> str:
+    """The weights file ``path`` names: the file itself, a checkpoint folder's
+    ``model.safetensors``, or that of a run folder's newest complete checkpoint.
+
+    Raises:
+        CheckpointError: no such file.
+    """
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
+        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
+        path = latest if latest else path
+    if os.path.isdir(path):
+        path = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"weights file not found: {path}")
+    return path
 
 
 def read_weights(path: str) -> tuple[str, dict]:
@@ -135,44 +154,164 @@ def read_weights(path: str) -> tuple[str, dict]:
     Raises:
         CheckpointError: file missing or unreadable.
     """
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
-        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
-        path = latest if latest else path
-    if os.path.isdir(path):
-        path = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"weights file not found: {path}")
+    path = weights_file(path)
     try:
         return path, load_file(path)
     except Exception as e:
         raise CheckpointError(f"cannot read weights {path}: {e}") from e
 
 
-def load_weights(model: nn.Module, path: str, strict: bool = True) -> dict:
+# A trainable-only weights file (checkpoint.trainable_only) says so in its safetensors header:
+_ONLY, _BASE, _PRINT, _LORA = "ddptrain.trainable_only", "ddptrain.base_model", "ddptrain.base_fingerprint", \
+    "ddptrain.lora_scalings"
+
+
+def trainable_keys(module: nn.Module) -> set:
+    """The state-dict keys of the trainable parameters and of every persistent buffer (buffers
+    such as BatchNorm statistics change in training whether or not their module is frozen)."""
+    module = unwrap(module)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return trainable | (set(module.state_dict()) - params)
+
+
+@torch.no_grad()
+def base_fingerprint(module: nn.Module) -> str:
+    """A cheap fingerprint of the frozen parameters (names, shapes and the bf16-rounded sum of the
+    first 1024 values of each): enough to tell that a resume runs on another base model."""
+    import hashlib
+
+    frozen = [(n, p) for n, p in sorted(unwrap(module).named_parameters()) if not p.requires_grad]
+    if not frozen:
+        return ""
+    sums = torch.stack([p.detach().reshape(-1)[:1024].to(torch.bfloat16).double().sum() for _, p in frozen]).tolist()
+    text = ";".join(f"{n}{tuple(p.shape)}={v:.6e}" for (n, p), v in zip(frozen, sums))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def weights_to_save(module: nn.Module, master=None, trainable_only: bool = False,
+                    base_model: str = "") -> tuple[dict, dict]:
+    """``(tensors, header entries)`` a checkpoint saves as its ``model.safetensors``.
+
+    Args:
+        module: the (unwrapped) model.
+        master: its master weights, if any (their ``state_dict(module)``: fp32 masters).
+        trainable_only: keep only :func:`trainable_keys`; the header names ``base_model``
+            (absolute path) and the frozen weights' :func:`base_fingerprint`.
+        base_model: where the frozen weights come from.
+    """
+    weights = master.state_dict(module) if master is not None else module.state_dict()
+    header = {}
+    from ddptrain.lora import lora_scalings
+
+    scalings = lora_scalings(module)
+    if scalings:  # lets load_weights add the adapters to a plain model, and export merge them
+        header[_LORA] = json.dumps(scalings)
+    if trainable_only:
+        keep = trainable_keys(module)
+        weights = {k: v for k, v in weights.items() if k in keep}
+        header.update({_ONLY: "true", _BASE: os.path.abspath(base_model), _PRINT: base_fingerprint(module)})
+    return weights, header
+
+
+def weights_info(path: str) -> dict:
+    """What a weights file's header says: ``trainable_only``, ``base_model``,
+    ``base_fingerprint``, ``lora_scalings`` (layer -> alpha / r)."""
+    from ddptrain.loading import SafetensorsSource
+
+    meta = SafetensorsSource(weights_file(path)).metadata
+    return {"trainable_only": meta.get(_ONLY) == "true", "base_model": meta.get(_BASE, ""),
+            "base_fingerprint": meta.get(_PRINT, ""), "lora_scalings": json.loads(meta.get(_LORA, "{}"))}
+
+
+def resolve_base(base: str, file: str) -> str:
+    """The base model a trainable-only ``file`` names, checked to exist.
+
+    Raises:
+        CheckpointError: it does not (moved or deleted): pass ``base=`` to :func:`load_weights`.
+    """
+    if not base or not os.path.exists(base):
+        raise CheckpointError(f"{file} holds the trainable parameters only; its base model {base!r} is not there. "
+                              "Pass the base weights: ddptrain.load_weights(model, path, base=...)")
+    return base
+
+
+def resume_keys(module: nn.Module, file: str) -> Optional[set]:
+    """The keys a resume must find in ``file``: all (None) for a full checkpoint; the trainable
+    ones for a trainable-only checkpoint, after checking the model's frozen weights are the
+    base it was trained on.
+
+    Raises:
+        CheckpointError: the frozen weights differ from the checkpoint's base model.
+    """
+    info = weights_info(file)
+    if not info["trainable_only"]:
+        return None
+    now = base_fingerprint(module)
+    if info["base_fingerprint"] != now:
+        raise CheckpointError(f"{file} was trained on the frozen weights of {info['base_model']!r} (fingerprint "
+                              f"{info['base_fingerprint']}); this model's frozen weights differ ({now}): load that "
+                              "base model before resuming")
+    return trainable_keys(module)
+
+
+def load_weights(model: nn.Module, path: str, strict: bool = True, base: Optional[str] = None,
+                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> dict:
     """Load safetensors weights (a file, or a checkpoint folder) into ``model``.
+
+    A trainable-only checkpoint (``checkpoint.trainable_only``) is composed: first its base
+    model, read tensor by tensor (:func:`ddptrain.loading.load_pretrained`; a model built with
+    ``empty_weights()`` is allocated in ``dtype`` on ``device`` here), then the checkpoint's own
+    tensors. The LoRA adapters a checkpoint holds are added to a model that has none yet
+    (layers and scalings from the file's header).
 
     Args:
         path: a ``.safetensors`` file, a checkpoint folder holding ``model.safetensors``, or a
             run folder (its newest complete checkpoint is used).
         strict: if False, load what matches (name and shape) and report the rest: the partial
             initialisation used for fine-tuning with, say, a new output vocabulary.
+        base: the base model of a trainable-only checkpoint, if not where the checkpoint says.
+        dtype, device: for tensors allocated while loading the base (meta models).
 
     Returns:
         ``{"missing": [...], "unexpected": [...], "mismatched": [...], "loaded": n}``.
 
     Raises:
         CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
-            readable diff.
+            readable diff; a trainable-only checkpoint whose base model cannot be found.
     """
-    return apply_weights(model, *read_weights(path), strict=strict)
+    from ddptrain.loading import load_pretrained
+    from ddptrain.lora import add_adapters
+
+    file = weights_file(path)
+    info = weights_info(file)
+    source, saved = read_weights(file)
+    target = unwrap(model)
+    if not info["trainable_only"]:
+        add_adapters(target, info["lora_scalings"], saved)  # a LoRA run's full checkpoint into a plain model
+        return apply_weights(target, source, saved, strict=strict)
+    base_report = load_pretrained(target, base or resolve_base(info["base_model"], file), dtype=dtype,
+                                  device=device, strict=False, skip=saved)
+    add_adapters(target, info["lora_scalings"], saved)
+    need = set(saved) | set(base_report["missing"]) if strict else None  # what the base did not provide
+    report = apply_weights(target, source, saved, strict=strict, expect=need)
+    if strict and base_report["unexpected"]:
+        raise CheckpointError(f"base model of {file} has tensors this model lacks: {base_report['unexpected'][:20]}")
+    return report
 
 
-def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = True) -> dict:
+def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = True,
+                  expect: Optional[set] = None) -> dict:
     """The second half of :func:`load_weights`: put tensors already read from ``source`` (named
-    in messages) into ``model``, with the same checks, report and errors."""
+    in messages) into ``model``, with the same checks, report and errors.
+
+    Args:
+        expect: the keys ``saved`` must hold (default: all of the model's); a trainable-only
+            checkpoint passes :func:`trainable_keys` (see :func:`resume_keys`).
+    """
     target = unwrap(model)
     own = target.state_dict()
-    missing = sorted(set(own) - set(saved))
+    missing = sorted((set(own) if expect is None else set(expect)) - set(saved))
     unexpected = sorted(set(saved) - set(own))
     mismatched = sorted(
         f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
@@ -221,6 +360,7 @@ def save(
     meta: dict,
     device: torch.device,
     files: Optional[dict] = None,
+    weights_metadata: Optional[dict] = None,
 ) -> str:
     """Collective: every rank calls it; returns the final checkpoint path.
 
@@ -233,6 +373,7 @@ def save(
             shard), or None; each rank writes ``{name}_rank{r}.pt``.
         meta: JSON-able facts (epoch, world size, metrics, run id) for humans and keep-best.
         files: extra text files rank 0 writes into the checkpoint (e.g. ``config.yaml``).
+        weights_metadata: header entries of ``model.safetensors`` (:func:`weights_to_save`).
 
     Raises:
         CheckpointError: on every rank, if any rank failed to write; earlier checkpoints are
@@ -262,7 +403,7 @@ def save(
                 state = obj.state_dict()
                 _fsync_write(os.path.join(tmp, f"{key}_rank{rank}.pt"), lambda f: torch.save(state, f))
         if rank == 0:
-            save_weights(weights, os.path.join(tmp, "model.safetensors"))
+            save_weights(weights, os.path.join(tmp, "model.safetensors"), weights_metadata)
             state = {key: obj.state_dict() for key, obj in shared.items()}
             _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(state, f))
             for fname, text in (files or {}).items():

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, resume, runfolder
+from ddptrain import dist, resume, runfolder, tune
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
@@ -165,6 +165,7 @@ class Trainer:
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
         try:
+            tune.before_fit(self)  # the budget file in use fits this set-up; trainer.preflight: an OOM now, not in hours
             if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
@@ -321,9 +322,9 @@ class Trainer:
         metrics = p.last_eval if p.last_eval_step == p.step else {}
         meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
-        weights = self.master.state_dict(self.module) if self.master else self.module
+        weights, header = ckpt.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
         path = ckpt.save(self.ckpt_root, p.step, weights, *self._states(), meta, self.device,
-                         files={"config.yaml": to_yaml(self.cfg)})
+                         files={"config.yaml": to_yaml(self.cfg)}, weights_metadata=header)
         self._last_saved_step = p.step
         if self.info.is_main:
             ckpt.prune(self.ckpt_root, c.keep_last, c.keep_best, c.best_metric, c.best_mode, p.run_id)
@@ -342,7 +343,7 @@ class Trainer:
         resume.check(diff, path)
         meta = ckpt.load(path, *self._states(), self.info.world_size, self.info.rank)
         source, saved = ckpt.read_weights(path)
-        ckpt.apply_weights(self.module, source, saved, strict=True)
+        ckpt.apply_weights(self.module, source, saved, strict=True, expect=ckpt.resume_keys(self.module, source))
         if self.master:
             self.master.load_state_dict(saved, self.module)
         p.run_id = run_id  # a resume into another folder is a new run there
