@@ -51,7 +51,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["LoRALinear", "apply_lora", "merge_lora", "unmerge_lora", "lora_state_dict", "merged_state_dict",
-           "lora_scalings", "export_merged"]
+           "lora_scalings", "add_adapters", "export_merged"]
 
 
 class LoRALinear(nn.Linear):
@@ -152,6 +152,24 @@ def apply_lora(model: nn.Module, targets: Sequence[str], rank: int = 16, alpha: 
         m.lora_B = nn.Parameter(torch.zeros(m.out_features, rank, device=m.weight.device, dtype=torch.float32))
         m.lora_scaling, m.lora_dropout, m.lora_merged = float(alpha) / rank, float(dropout), False
     return chosen
+
+
+def add_adapters(model: nn.Module, scalings: dict, tensors: dict) -> list[str]:
+    """Give ``model`` the adapters a saved state names, where it has none yet (loading a LoRA
+    checkpoint into a plain model): layer names and ``alpha / r`` from ``scalings``
+    (:func:`lora_scalings`), ranks from the saved ``lora_A`` shapes. Flags are left as they are.
+
+    Returns:
+        The layers that got an adapter here.
+    """
+    added = []
+    modules = dict(model.named_modules())
+    for layer, scaling in scalings.items():
+        if isinstance(modules.get(layer), LoRALinear):
+            continue
+        rank = tensors[f"{layer}.lora_A"].shape[0]
+        added += apply_lora(model, [layer], rank=rank, alpha=scaling * rank, freeze=False)
+    return added
 
 
 def _adapted(model: nn.Module) -> list[tuple[str, LoRALinear]]:

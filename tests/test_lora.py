@@ -11,8 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from safetensors.torch import load_file
+
 import ddptrain
+import ddptrain.loading
 from _dist import run_ranks
+from ddptrain import checkpoint as ckpt
 from ddptrain.lora import LoRALinear, apply_lora, lora_state_dict, merge_lora, merged_state_dict, unmerge_lora
 from test_trainer import make_cfg, params_of
 
@@ -219,3 +223,89 @@ def test_composes_with_recompute_and_regional_compile(tmp_path):
     assert set(plain) == set(both) and any("lora_A" in k for k in plain)
     for k, v in plain.items():
         torch.testing.assert_close(both[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# ----------------------------------------------------------------------------- trainable-only checkpoints
+
+
+def _base_file(tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "base.safetensors"
+    ddptrain.save_weights(Tiny(), str(path))
+    return str(path)
+
+
+def _run(out, base, steps, *extra):
+    """A LoRA run on the base model's weights, checkpoints holding the trainable tensors only."""
+    torch.manual_seed(0)
+    model = Tiny()
+    ddptrain.load_weights(model, base)
+    cfg = make_cfg(out, f"trainer.max_steps={steps}", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                   "checkpoint.trainable_only=true", f"checkpoint.base_model={base}", *LORA, *BF16, *extra)
+    trainer = ddptrain.Trainer(model, loss_fn, cfg, data(steps))
+    trainer.fit()
+    return trainer
+
+
+def test_trainable_only_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
+    base = _base_file(tmp_path)
+    full = _run(tmp_path / "full", base, 4)
+    step4 = tmp_path / "full" / "checkpoints" / "step_00000004"
+    saved = load_file(str(step4 / "model.safetensors"))
+    want = set(lora_state_dict(full.module)) | {"head.weight", "head.bias"}
+    assert set(saved) == want  # the frozen base is not in it
+    assert all(v.dtype == torch.float32 for v in saved.values())  # the fp32 masters
+    info = ckpt.weights_info(str(step4))
+    assert info["trainable_only"] and info["base_model"] == os.path.abspath(base) and info["base_fingerprint"]
+    assert set(info["lora_scalings"]) == set(full.adapted)
+
+    resumed = _run(tmp_path / "resumed", base, 4, f"checkpoint.resume={tmp_path / 'full' / 'checkpoints' / 'step_00000002'}")
+    assert resumed.step == 4
+    for k, v in full.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[k], v), f"{k} differs after resume"
+    for (_, a), (_, b) in zip(full.master.pairs, resumed.master.pairs):
+        assert torch.equal(a, b)
+
+    # resuming onto another base model is refused, naming the base
+    other = tmp_path / "other.safetensors"
+    torch.manual_seed(7)
+    ddptrain.save_weights(Tiny(), str(other))
+    with pytest.raises(ckpt.CheckpointError, match="frozen weights of .*base.safetensors.* differ"):
+        _run(tmp_path / "wrong", str(other), 4, f"checkpoint.resume={step4}")
+
+
+def test_load_weights_composes_base_and_adapters_and_export_merges_them(tmp_path):
+    base = _base_file(tmp_path)
+    trained = _run(tmp_path / "run", base, 2).module.eval()
+    x = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        want = trained(x.to(torch.bfloat16)).float()  # the bf16 model the run trained
+
+    # a plain model of the base architecture, built on the meta device: base + adapters from the checkpoint
+    from ddptrain.loading import empty_weights
+
+    with empty_weights():
+        model = Tiny()
+    ddptrain.load_weights(model, str(tmp_path / "run"), dtype=torch.float32)
+    assert isinstance(model.blocks[0].q_proj, LoRALinear)
+    assert not any(t.is_meta for t in model.state_dict().values())
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), want, rtol=2e-2, atol=2e-2)  # trained in bf16
+        exact = {k: v for k, v in model.state_dict().items()}
+    trained_fp32 = ckpt.read_weights(str(tmp_path / "run"))[1]
+    assert all(torch.equal(exact[k], v) for k, v in trained_fp32.items())  # the masters, exactly
+
+    # export: plain merged safetensors the base class loads
+    from ddptrain import lora
+
+    assert lora.main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--max-shard-gb", "1e-6"]) == 0
+    assert (tmp_path / "merged" / "model.safetensors.index.json").exists()  # tiny shards: several files
+    plain = Tiny()
+    ddptrain.loading.load_pretrained(plain, str(tmp_path / "merged"))
+    assert set(plain.state_dict()) == set(Tiny().state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(x), model(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ckpt.CheckpointError, match="holds the trainable parameters only; its base model"):
+        os.rename(base, base + ".moved")
+        ddptrain.load_weights(Tiny(), str(tmp_path / "run"))
+    ddptrain.load_weights(Tiny(), str(tmp_path / "run"), base=base + ".moved")
