@@ -20,9 +20,17 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   ``loss.item()`` every 10 steps.
 * ``ddptrain``: examples/finetune_glmasr.py's model and data under ddptrain.Trainer with
   ``trainer.precision=bf16`` and nothing else (fp32 weights, eager).
-* ``ddptrain_best``: + bf16 weights with fp32 masters (``trainer.param_dtype=bf16``) and the
-  encoder/decoder layers compiled (``compile.module_classes``); ``..._cut``: encoder windows cut to
-  the batch (``glmasr.encoder_length=batch``); more variants by ``--ov NAME=k=v,k=v``.
+* ``ddptrain_bf16``: + bf16 weights with fp32 masters (``trainer.param_dtype=bf16``);
+  ``ddptrain_bf16_compile``: + the encoder/decoder layers compiled (``compile.module_classes``,
+  static shapes until one changes), configs/glmasr.yaml's set-up; ``..._cut``: encoder windows cut
+  to the batch (``glmasr.encoder_length=batch``; the compiled one over a single bucket so every
+  batch holds 16); ``ddptrain_best``: bf16 + compiled with ``compile.dynamic=true`` from the
+  start; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
+* ``data``: the loader alone, batches per second (is a peer data-bound?).
+
+``--profile`` adds, for ddptrain peers, a profile of 2 steps after the timed ones: step time,
+GPU-busy time and kernel time by category. Results of 2026-12-01 (one H200, three calls; the
+``call`` field): ``bench/results/h200x1_2026-12-01_glmasr.jsonl``.
 
 Timing: 8 warm-up steps, then 16 timed steps (``--warmup`` / ``--steps``), host clock around a
 device sync. MFU = FLOPs of the padded batches as that peer computes them / (time x 989.4e12,
@@ -68,6 +76,18 @@ OVERRIDES = {
     "ddptrain_best": ["trainer.param_dtype=bf16", "compile.enabled=true", "compile.dynamic=true",
                       "compile.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"],
 }
+CUT_ONE_BUCKET = ["glmasr.encoder_length=batch", "data.num_buckets=1", "data.bucket_sort_pool=32"]
+BF16, COMPILE = ["trainer.param_dtype=bf16"], ["compile.enabled=true", "compile.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"]
+OVERRIDES.update({
+    "ddptrain_bf16": BF16,  # bf16 weights + fp32 masters, eager
+    "ddptrain_bf16_compile": BF16 + COMPILE,  # ... + the layers compiled, static shapes until one changes
+    "ddptrain_bf16_compile_enc": BF16 + ["compile.enabled=true", "compile.module_classes=[GlmAsrEncoderLayer]"],
+    "ddptrain_bf16_cut": BF16 + ["glmasr.encoder_length=batch"],
+    # cut windows: one bucket sorted in pools of 32 batches, so every batch holds 16 utterances
+    # (20 buckets leave short last batches, each a new shape for the compiled layers)
+    "ddptrain_bf16_compile_cut": BF16 + COMPILE + CUT_ONE_BUCKET,
+    "ddptrain_bf16_compile_cut_dyn": BF16 + COMPILE + CUT_ONE_BUCKET + ["compile.dynamic=true"],
+})
 OVERRIDES["ddptrain_cut"] = ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_cut"] = OVERRIDES["ddptrain_best"] + ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
@@ -134,9 +154,12 @@ class StatsCollate:
 def recipe_cfg(args, peer_overrides=()):
     ov = ["trainer.precision=bf16", "trainer.clip_grad_norm=1.0", f"trainer.max_steps={args.warmup + args.steps + 1}",
           f"trainer.output_dir={args.tmp}/{args.peer}", "checkpoint.save_at_end=false", "logging.tensorboard=false",
-          "logging.progress_bar=false", "logging.log_every=100000", "optim.lr=1e-5", "optim.betas=[0.9,0.999]",
+          "logging.progress_bar=false", f"logging.log_every={args.warmup}", "optim.lr=1e-5", "optim.betas=[0.9,0.999]",
           f"glmasr.preset={args.preset}", f"data.num_workers={args.workers}", f"data.max_batch_size={args.batch}",
-          f"data.max_duration={args.batch * 30}", "data.num_buckets=20", "glmasr.synthetic_utterances=4000",
+          f"data.max_duration={args.batch * 30}", "data.num_buckets=20",
+          # 20 buckets x 13 batches of 16: with 30 s windows every batch holds 16 utterances, so
+          # compiled layers see one new shape only (the decoder length), within the warm-up
+          f"glmasr.synthetic_utterances={20 * 13 * args.batch}",
           "scheduler.name=constant", *peer_overrides]
     return ddptrain.load_config(os.path.join(HERE, "..", "configs", "glmasr.yaml"), [
         "compile.enabled=false", "recompute.enabled=false", "trainer.param_dtype=fp32", *ov], schema=fg.RecipeConfig)
@@ -201,10 +224,45 @@ def run_ddptrain(args) -> dict:
     sync()
     w, n = args.warmup, args.steps
     elapsed = calls[w + n][0] - calls[w][0]
+    logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
+    waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
-             "ov": OVERRIDES[args.peer] + list(args.ov), "data_batch_size_mean": loader.batch_sampler.epoch_stats()[
-                 "batch_size_mean"]}
+             "ov": OVERRIDES[args.peer] + list(args.ov), "data_wait_frac": waits,
+             "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"]}
+    if args.profile:
+        extra["profile"] = profile_steps(trainer, loader)
     return summarize(args, elapsed, [s for _, s in calls[w:w + n]], extra)
+
+
+def profile_steps(trainer, loader, steps: int = 2) -> dict:
+    """GPU time per step by kernel (top 15) and category, and the share of the step the GPU idled."""
+    it = iter(loader)
+    batches = [next(it) for _ in range(steps + 1)]  # the timed loss takes their stats off
+    trainer.train_step([batches[0]])
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for b in batches[1:]:
+            trainer.train_step([b])
+        sync()
+        wall = time.perf_counter() - t0
+    kernels: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / steps  # ms per step
+    cats: dict = {}
+    for name, ms in kernels.items():
+        low = name.lower()
+        cat = ("attention" if any(k in low for k in ("flash", "fmha", "attention", "sdpa")) else
+               "gemm" if any(k in low for k in ("gemm", "sm90", "cutlass", "nvjet", "wgmma", "cublas", "xmma")) else
+               "conv" if "conv" in low else "memcpy" if "memcpy" in low or "memset" in low else
+               "optimizer" if any(k in low for k in ("adam", "foreach", "multi_tensor")) else "other")
+        cats[cat] = cats.get(cat, 0.0) + ms
+    busy = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"step_ms": 1e3 * wall / steps, "gpu_busy_ms": busy, "categories_ms": {k: round(v, 2) for k, v in cats.items()},
+            "top_kernels_ms": [[k[:90], round(v, 2)] for k, v in top]}
 
 
 def run_bare(args) -> dict:
@@ -314,7 +372,24 @@ def summarize(args, elapsed: float, stats: list, extra: dict) -> dict:
     }
 
 
-PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare}
+def run_data(args) -> dict:
+    """The loader alone (no model work): batches per second its workers deliver."""
+    cfg = recipe_cfg(args)
+    from models.glmasr import published_config, tiny_config
+
+    mc = published_config() if args.preset == "published" else tiny_config(**tiny_tokens())
+    loader = fg.build_synthetic_loader(cfg, fg.synthetic_layout(mc), mc.text_config.vocab_size, 1, 0)
+    it = iter(loader)
+    for _ in range(args.warmup):
+        next(it)
+    t0 = time.perf_counter()
+    n = sum(len(next(it)["ids"]) for _ in range(args.steps))
+    dt = time.perf_counter() - t0
+    return {"workload": "glmasr_win30", "peer": "data", "world_size": 1, "batch": args.batch,
+            "batches_per_s": args.steps / dt, "samples_per_s": n / dt, "workers": args.workers}
+
+
+PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare, "data": run_data}
 
 
 def run_one(args) -> dict:
@@ -336,7 +411,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per peer (its start and compile included)")
+    p.add_argument("--hf-compile-timeout", type=float, default=200.0, help="seconds for hf_compile (whole-model compile)")
     p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=v: a ddptrain peer with these overrides")
+    p.add_argument("--profile", action="store_true", help="ddptrain peers: also profile 2 steps (kernel times)")
     p.add_argument("--peer", help=argparse.SUPPRESS)  # internal: run one peer in this process
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--tmp", default="")
@@ -357,14 +434,15 @@ def main(argv=None) -> int:
             row_file = os.path.join(tmp, f"{peer}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
                    "--preset", args.preset, "--batch", str(args.batch), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--workers", str(args.workers)]
+                   "--steps", str(args.steps), "--workers", str(args.workers)] + (["--profile"] if args.profile else [])
             cmd += [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ)
             if peer == "hf_ds2":  # DeepSpeed wants a process group: one rank of torchrun's env
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             tic = time.time()
             try:
-                proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
+                limit = args.hf_compile_timeout if peer == "hf_compile" else args.timeout
+                proc = subprocess.run(cmd, env=env, timeout=limit, capture_output=True, text=True)
                 ok = proc.returncode == 0 and os.path.exists(row_file)
                 row = json.load(open(row_file)) if ok else {
                     "workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
@@ -373,7 +451,7 @@ def main(argv=None) -> int:
                 ok = False
                 tail = ((e.stdout or b"") + (e.stderr or b""))[-1500:]
                 row = {"workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
-                       "error": f"did not finish within {args.timeout:.0f} s (start, compile and "
+                       "error": f"did not finish within {limit:.0f} s (start, compile and "
                                 f"{args.warmup + args.steps} steps)",
                        "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
             row["wall_s"] = round(time.time() - tic, 1)
@@ -387,7 +465,9 @@ def main(argv=None) -> int:
     if args.out:
         rows = [json.loads(x) for x in open(args.out)][-len(peers):]
         for r in rows:
-            if "error" in r:
+            if "mfu" not in r:
+                print(f"{r['peer']:<26}{r['workload']:<14}{r.get('samples_per_s', 0):>10.1f}  {r.get('error', '')[:60]}")
+            elif "error" in r:
                 print(f"{r['peer']:<26}{r['workload']:<14}  error: {r['error'][:60]}")
             else:
                 print(f"{r['peer']:<26}{r['workload']:<14}{r['samples_per_s']:>10.1f}{r['audio_s_per_s']:>11.0f}"
