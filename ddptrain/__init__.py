@@ -1,14 +1,20 @@
 """ddptrain: plain-PyTorch distributed training for speech models.
 
 Public API: :class:`Trainer`, :class:`Config` and :func:`load_config`, :func:`setup_distributed`,
-:func:`load_weights` / :func:`save_weights`, WER/CER counting in :mod:`ddptrain.metrics`, and the
-speech data pieces in :mod:`ddptrain.data`.
+:func:`load_weights` / :func:`save_weights`, loading large models without a full fp32 copy
+(:func:`empty_weights` + :func:`load_pretrained`), LoRA (:func:`apply_lora`, :func:`merge_lora`,
+:func:`lora_state_dict`; more in :mod:`ddptrain.lora`), the head-sized loss of causal LMs
+(:func:`causal_lm_loss`), WER/CER counting in :mod:`ddptrain.metrics`, and the speech data pieces
+in :mod:`ddptrain.data`.
 """
 
 from ddptrain.checkpoint import CheckpointError, load_weights, save_weights
 from ddptrain.config import Config, ConfigError, load_config
 from ddptrain.dist import DistInfo
 from ddptrain.dist import setup as _setup
+from ddptrain.loading import empty_weights, load_pretrained
+from ddptrain.lora import apply_lora, lora_state_dict, merge_lora
+from ddptrain.losses import causal_lm_loss
 from ddptrain.trainer import Trainer, TrainingError
 
 __version__ = "0.1.0"
@@ -23,4 +29,5 @@ def setup_distributed(config: Config) -> DistInfo:
 
 
 __all__ = ["Trainer", "TrainingError", "Config", "ConfigError", "load_config", "setup_distributed",
-           "load_weights", "save_weights", "CheckpointError", "DistInfo"]
+           "load_weights", "save_weights", "CheckpointError", "DistInfo", "empty_weights", "load_pretrained",
+           "apply_lora", "merge_lora", "lora_state_dict", "causal_lm_loss"]
