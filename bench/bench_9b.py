@@ -1,0 +1,365 @@
+"""GLM-4.1V-9B (the architecture of AutoGLM-Phone-9B) fine-tuning: ddptrain against HF Trainer + peft.
+
+Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``):
+
+* ``lora_ddptrain``: ``Glm4vForConditionalGeneration`` at the real shapes (10.29B parameters:
+  a 40-layer 4096-d GLM decoder with 32 query / 2 KV heads and a 151,552-token vocabulary, a
+  24-layer 1536-d vision tower), random init, built directly in bf16 on the GPU. LoRA r=16 on
+  the decoder's attention and MLP projections (``q/k/v/o_proj``, ``gate_up_proj``,
+  ``down_proj``), everything else frozen in bf16 (``trainer.param_dtype: bf16``), recompute on
+  every decoder layer, the loss at the supervised positions only (``ddptrain.causal_lm_loss``).
+  One sequence of 8192 tokens per step, with an image of 56 x 56 patches (784 merged vision
+  tokens, a 784 x 784 px image) fed through the vision tower, synthetic (``pixel_values``,
+  ``image_grid_thw``, ``mm_token_type_ids``).
+* ``lora_hf_peft``: the same model, batch, LoRA targets and rank through ``transformers.Trainer``
+  + ``peft`` (bf16, gradient checkpointing, fused AdamW, the model's own loss over full logits).
+* ``full3b_ddptrain``: a full fine-tune of a ~3.2B GLM-shaped text decoder (24 layers, 3072-d,
+  8192 FFN, the same vocabulary) on one GPU through the masters path (bf16 weights, fp32 masters).
+* ``full9b_zero``: the 10B full fine-tune on N GPUs (ZeRO with sharded masters, recompute): the
+  plan of the separate multi-GPU issue, run here only as a CPU dry run (2 gloo ranks).
+
+Every row: tokens/s, step time, MFU (analytic FLOPs below, recompute not counted), peak GPU
+memory, and the model-state estimate of ``ddptrain.memory`` beside the measured allocation.
+Workload names contain "glm4v"/"9b" as BENCHMARKS.md expects.
+
+    python3 bench/bench_9b.py plan --out "$OUT/glm4v_9b.jsonl"            # the one-H200 plan (~7 min)
+    python3 bench/bench_9b.py plan --dry --out /tmp/b9.jsonl              # every job, tiny, on CPU
+    python3 bench/bench_9b.py job lora_ddptrain --out r.jsonl            # one job
+    torchrun --nproc_per_node=4 bench/bench_9b.py job full9b_zero --out r.jsonl
+
+FLOPs of one step (T tokens, S supervised, P decoder linear weights, attention causal):
+forward ``2PT + 2 L T^2 (H hd) + 2 V d S`` (+ the vision tower's forward, frozen: ``2 P_vis N +
+4 depth N^2 d_vis`` for N patches). LoRA (frozen base): forward + input gradients = 2x forward
+for the linear layers and the head, 3x for attention; the adapters' own FLOPs are left out.
+Full fine-tune: 3x forward (weight gradients too), 3x attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import ddptrain  # noqa: E402
+from ddptrain.losses import causal_lm_loss  # noqa: E402
+
+PEAK_BF16 = 989.4e12  # dense bf16 tensor-core peak of one H100/H200 SXM (bench/flops.py)
+ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}
+TOKENS = {"image_start": 151339, "image_end": 151340, "image": 151343, "video": 151344}
+LORA_TARGETS = ["*language_model.layers.*.self_attn.[qkvo]_proj", "*language_model.layers.*.mlp.*_proj"]
+PEFT_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate_up|down)_proj)"
+
+# shapes by preset: "real" (the GPU) and "tiny" (the CPU dry run, same code paths)
+TEXT = {"real": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                     num_attention_heads=32, num_key_value_heads=2),
+        "real3b": dict(vocab_size=151552, hidden_size=3072, intermediate_size=8192, num_hidden_layers=24,
+                       num_attention_heads=24, num_key_value_heads=2),
+        "tiny": dict(vocab_size=151552 // 512, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1)}
+VISION = {"real": {}, "tiny": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=256)}
+BATCH = {"real": dict(seq=8192, grid=56), "tiny": dict(seq=64, grid=8)}
+
+JOBS = {  # name: (what it runs, GPUs, timeout in seconds on the GPU)
+    "lora_ddptrain": (dict(model="9b", peer="ddptrain", lora=True), 1, 150),
+    "lora_hf_peft": (dict(model="9b", peer="hf_peft", lora=True), 1, 150),
+    "full3b_ddptrain": (dict(model="3b", peer="ddptrain", lora=False), 1, 110),
+    "full9b_zero": (dict(model="9b", peer="ddptrain", lora=False, zero=True), 4, 300),
+}
+PLAN_H200 = ["lora_ddptrain", "lora_hf_peft", "full3b_ddptrain"]  # one H200, ~410 s in all
+
+
+def glm4v_config(preset: str, with_vision: bool = True):
+    from transformers import Glm4vConfig
+
+    text = dict(TEXT["real3b" if preset == "real" and not with_vision else preset], rope_parameters=ROPE,
+                max_position_embeddings=32768)
+    ids = dict(image_token_id=TOKENS["image"], image_start_token_id=TOKENS["image_start"],
+               image_end_token_id=TOKENS["image_end"], video_token_id=TOKENS["video"])
+    if preset == "tiny":
+        v = text["vocab_size"]
+        ids = dict(image_token_id=v - 2, image_start_token_id=v - 4, image_end_token_id=v - 3, video_token_id=v - 1)
+    return Glm4vConfig(text_config=text, vision_config=VISION[preset], **ids)
+
+
+class TextLM(nn.Module):
+    """The GLM-4.1V text decoder with its head and no vision tower (the ~3B full fine-tune)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        from transformers.models.glm4v.modeling_glm4v import Glm4vTextModel
+
+        self.language_model = Glm4vTextModel(cfg.text_config)
+        self.lm_head = nn.Linear(cfg.text_config.hidden_size, cfg.text_config.vocab_size, bias=False)
+
+    def hidden(self, input_ids, **_):
+        return self.language_model(input_ids=input_ids).last_hidden_state
+
+
+class WithLoss(nn.Module):
+    """``forward(batch) -> (loss_sum, tokens)`` inside the (DDP) forward: hidden states of the
+    model, then the head and cross-entropy at the supervised positions only."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels, **vision):
+        if isinstance(self.lm, TextLM):
+            hidden = self.lm.hidden(input_ids)
+        else:
+            hidden = self.lm.model(input_ids=input_ids, **vision).last_hidden_state
+        return causal_lm_loss(hidden, self.lm.lm_head.weight, labels)
+
+
+def build(job: dict, preset: str, dev: torch.device) -> nn.Module:
+    """The model, random init, built directly in bf16 on ``dev`` (no fp32 copy anywhere)."""
+    from transformers import Glm4vForConditionalGeneration
+
+    cfg = glm4v_config(preset, with_vision=job["model"] == "9b")
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            return Glm4vForConditionalGeneration(cfg) if job["model"] == "9b" else TextLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def make_batch(cfg, preset: str, dev: torch.device, vision: bool) -> dict:
+    """One sequence: 16 prompt tokens, then (with ``vision``) an image block, then text; the loss
+    is on the text after the image. Token ids avoid the special ids."""
+    seq, grid = BATCH[preset]["seq"], BATCH[preset]["grid"]
+    g = torch.Generator().manual_seed(0)
+    vocab = cfg.text_config.vocab_size
+    ids = torch.randint(0, cfg.image_start_token_id - 1, (1, seq), generator=g)
+    supervised_from = 16
+    batch = {}
+    if vision:
+        n_img = grid * grid // 4  # 2x2 patches merge into one LLM token
+        ids[0, 16] = cfg.image_start_token_id
+        ids[0, 17:17 + n_img] = cfg.image_token_id
+        ids[0, 17 + n_img] = cfg.image_end_token_id
+        supervised_from = 18 + n_img
+        v = cfg.vision_config
+        batch["pixel_values"] = torch.randn(grid * grid, v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                                            generator=g).to(torch.bfloat16)
+        batch["image_grid_thw"] = torch.tensor([[1, grid, grid]])
+        batch["mm_token_type_ids"] = (ids == cfg.image_token_id).int()
+    labels = ids.clone()
+    labels[0, :supervised_from] = -100
+    assert int(ids.max()) < vocab
+    batch.update(input_ids=ids, labels=labels)
+    return {k: v.to(dev) for k, v in batch.items()}
+
+
+def step_flops(cfg, batch: dict, lora: bool, vision: bool) -> float:
+    """Analytic training FLOPs of one step (see the module docstring)."""
+    t = cfg.text_config
+    T = batch["input_ids"].numel()
+    S = int((batch["labels"][:, 1:] != -100).sum())
+    hd = t.hidden_size // t.num_attention_heads
+    per_layer = (t.hidden_size * hd * (t.num_attention_heads * 2 + t.num_key_value_heads * 2)
+                 + 3 * t.hidden_size * t.intermediate_size)
+    linear = 2.0 * per_layer * t.num_hidden_layers * T
+    attn = 2.0 * t.num_hidden_layers * T * T * t.num_attention_heads * hd
+    head = 2.0 * t.vocab_size * t.hidden_size * S
+    total = (2.0 if lora else 3.0) * (linear + head) + 3.0 * attn
+    if vision:
+        v, n = cfg.vision_config, batch["pixel_values"].shape[0]
+        p_vis = v.depth * (4 * v.hidden_size ** 2 + 3 * v.hidden_size * v.intermediate_size)
+        total += 2.0 * p_vis * n + 4.0 * v.depth * n * n * v.hidden_size
+    return total
+
+
+def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    med = statistics.median(step_s)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    import transformers
+
+    return {"workload": f"glm4v_{job['model']}" + ("_text" if job["model"] == "3b" else ""), "name": job_name,
+            "peer": job["peer"], "world_size": ws, "preset": preset, "lora": job["lora"], "tokens_per_step": tokens,
+            "steps": len(step_s), "step_ms_median": round(1e3 * med, 1), "step_ms_all": [round(1e3 * s, 1) for s in step_s],
+            "tokens_per_s": tokens * ws / med, "tflops_per_gpu": flops / med / 1e12,
+            "mfu": flops / med / PEAK_BF16, "peak_alloc_gib": round(peak, 2),
+            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "transformers": transformers.__version__, "date": datetime.date.today().isoformat(), **extra}
+
+
+def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
+    from ddptrain.memory import estimate_model_state
+
+    ov = [f"trainer.output_dir={tmp}/{job_name}", "trainer.precision=bf16", "trainer.param_dtype=bf16",
+          "trainer.clip_grad_norm=1.0", f"trainer.max_steps={warmup + steps}", "checkpoint.save_at_end=false",
+          "logging.tensorboard=false", "logging.progress_bar=false", "logging.log_every=100000", "optim.lr=1e-4",
+          "recompute.enabled=true", "recompute.module_classes=[Glm4vTextDecoderLayer]", "checkpoint.start_over=true"]
+    if job["lora"]:
+        ov += ["lora.enabled=true", f"lora.targets={json.dumps(LORA_TARGETS)}", "lora.rank=16", "lora.alpha=32"]
+    if job.get("zero"):
+        ov.append("optim.zero=true")
+    cfg = ddptrain.load_config(None, ov)
+    info = ddptrain.setup_distributed(cfg)
+    dev = info.device
+    model = WithLoss(build(job, preset, dev))
+    mcfg = glm4v_config(preset, with_vision=job["model"] == "9b")
+    batch = make_batch(mcfg, preset, dev, vision=job["model"] == "9b")
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer = ddptrain.Trainer(model, lambda m, b: m(**b), cfg, [batch] * (warmup + steps))
+    times = []
+    for i in range(warmup + steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        out = trainer.train_step([batch])
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    at_rest = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0  # grads freed after the step
+    est = estimate_model_state(trainer.module, cfg, info.world_size)
+    extra = {"loss_per_token": out["loss_sum"] / max(out["units"], 1), "num_params": est["num_params"],
+             "num_trainable": est["num_trainable"], "model_state_at_rest_gib": round(at_rest, 2),
+             "estimate_at_rest_gib": round((est["params"] + est["masters"] + est["optimizer"]) / 2**30, 2),
+             "estimate_total_gib": round((est["total"] + est["master_grads"]) / 2**30, 2),
+             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed)}
+    trainer.close()
+    return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
+                step_flops(mcfg, batch, job["lora"], job["model"] == "9b"), extra)
+
+
+def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    mcfg = glm4v_config(preset)
+    model = get_peft_model(build(job, preset, dev), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                               target_modules=PEFT_TARGETS))
+    batch = make_batch(mcfg, preset, torch.device("cpu"), vision=True)
+    times, marks = [], {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            _sync(dev)
+            marks["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            _sync(dev)
+            times.append(time.perf_counter() - marks["t"])
+
+    args = TrainingArguments(output_dir=f"{tmp}/{job_name}", per_device_train_batch_size=1, bf16=True,
+                             max_steps=warmup + steps, learning_rate=1e-4, max_grad_norm=1.0, logging_steps=100000,
+                             save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+                             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+                             remove_unused_columns=False, seed=0, use_cpu=dev.type == "cpu")
+    data = [{k: v[0] if k in ("input_ids", "labels", "mm_token_type_ids") else v for k, v in batch.items()}] * (
+        warmup + steps)
+
+    def collate(items):
+        one = items[0]
+        return {k: (v[None] if k in ("input_ids", "labels", "mm_token_type_ids") else v) for k, v in one.items()}
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Clock()]).train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
+                step_flops(mcfg, batch, True, True), {"num_trainable": trainable})
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_job(name: str, preset: str, out: str, tmp: str) -> int:
+    job = JOBS[name][0]
+    warmup, steps = (2, 5) if preset == "real" else (1, 2)
+    try:
+        if job["peer"] == "hf_peft":
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                row = {"workload": "glm4v_9b", "name": name, "peer": "hf_peft", "skipped": "peft is not installed"}
+                _append(out, row)
+                return 0
+            row = run_hf_peft(name, job, preset, warmup, steps, tmp)
+        else:
+            row = run_ddptrain(name, job, preset, warmup, steps, tmp)
+    except Exception as e:  # an error row, and exit status 1 (bench/gpu_session.py's convention)
+        _append(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
+                      "error": f"{type(e).__name__}: {e}"})
+        raise
+    if int(os.environ.get("RANK", "0")) == 0:
+        _append(out, row)
+        print(json.dumps({k: row[k] for k in ("name", "tokens_per_s", "mfu", "peak_alloc_gib") if k in row}))
+    return 0
+
+
+def _append(path: str, row: dict) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
+    """Each job in its own process with a hard timeout; the dry run runs them tiny on CPU (the
+    multi-GPU job on 2 gloo ranks)."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1" if dry else "8",
+               PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), ROOT) if p))
+    if dry:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    failed = 0
+    for name in jobs:
+        _, gpus, timeout = JOBS[name]
+        n = 2 if dry and gpus > 1 else gpus
+        launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                  "--master_port=29531"] if n > 1 else [sys.executable]
+        cmd = launch + [os.path.abspath(__file__), "job", name, "--out", out, "--tmp", tmp] + (["--dry"] if dry else [])
+        t0 = time.time()
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=timeout * (3 if dry else 1)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            _append(out, {"workload": "glm4v", "name": name, "error": f"timed out after {timeout}s"})
+        print(f"[bench_9b] {name}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
+        failed += rc != 0
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench/bench_9b.py", description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["plan", "job"])
+    p.add_argument("job", nargs="?", help="a job name (with 'job'): " + ", ".join(JOBS))
+    p.add_argument("--jobs", default=",".join(PLAN_H200), help="the plan's jobs, comma-separated")
+    p.add_argument("--dry", action="store_true", help="tiny shapes on CPU (same code paths)")
+    p.add_argument("--out", required=True, help="results file (JSON lines, appended)")
+    p.add_argument("--tmp", default="/tmp/bench_9b", help="scratch folder for run folders")
+    args = p.parse_args(argv)
+    if args.what == "job":
+        if args.job not in JOBS:
+            p.error(f"unknown job {args.job!r}: one of {', '.join(JOBS)}")
+        return run_job(args.job, "tiny" if args.dry else "real", args.out, args.tmp)
+    jobs = args.jobs.split(",")
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown:
+        p.error(f"unknown jobs {unknown}: {', '.join(JOBS)}")
+    return run_plan(jobs, args.dry, args.out, args.tmp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""bench/bench_9b.py still runs: its plan's jobs dry-run on CPU with a tiny GLM-4.1V (vision tower
+fed synthetically, LoRA through the config, recompute, the supervised-positions loss), the
+multi-GPU full fine-tune plan on 2 gloo ranks with sharded masters, and the HF Trainer + peft
+peer where peft is installed. The FLOP model is checked against the real model's sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+pytest.importorskip("transformers")
+import bench_9b  # noqa: E402
+
+
+def test_flop_model_counts_the_real_decoder():
+    """The analytic per-layer weight count equals the HF model's decoder layer (biases aside)."""
+    from transformers.models.glm4v.modeling_glm4v import Glm4vTextDecoderLayer
+
+    cfg = bench_9b.glm4v_config("real")
+    with torch.device("meta"):
+        layer = Glm4vTextDecoderLayer(cfg.text_config, 0)
+    weights = sum(p.numel() for n, p in layer.named_parameters() if n.endswith("proj.weight"))
+    t = cfg.text_config
+    hd = t.hidden_size // t.num_attention_heads
+    assert weights == t.hidden_size * hd * (2 * t.num_attention_heads + 2 * t.num_key_value_heads) \
+        + 3 * t.hidden_size * t.intermediate_size
+    batch = {"input_ids": torch.zeros(1, 8192, dtype=torch.long), "labels": torch.zeros(1, 8192, dtype=torch.long),
+             "pixel_values": torch.zeros(3136, 1176)}
+    lora, full = bench_9b.step_flops(cfg, batch, True, True), bench_9b.step_flops(cfg, batch, False, True)
+    p_t = weights * t.num_hidden_layers * 8192  # 8.2e9 decoder weights x 8k tokens
+    assert 4 * p_t < lora < 6 * p_t and 6 * p_t < full < 8 * p_t  # 2x / 3x forward, plus attention (8k tokens) and head
+
+
+@pytest.mark.timeout(300)
+def test_plan_dry_runs_on_cpu(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    jobs = ["lora_ddptrain", "full9b_zero"] + (["lora_hf_peft"] if importlib.util.find_spec("peft") else [])
+    assert bench_9b.main(["plan", "--dry", "--jobs", ",".join(jobs), "--out", str(out), "--tmp", str(tmp_path)]) == 0
+    rows = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == sorted(jobs)
+    lora, zero = rows["lora_ddptrain"], rows["full9b_zero"]
+    for r in (lora, zero):
+        assert "error" not in r and "9b" in r["workload"] and r["steps"] == 2 and r["tokens_per_s"] > 0
+    assert lora["adapted_layers"] == 12 and 0 < lora["num_trainable"] < 0.1 * lora["num_params"]
+    assert zero["world_size"] == 2 and zero["num_trainable"] == zero["num_params"]
+    assert lora["recomputed"] == zero["recomputed"] == 2
+    if "lora_hf_peft" in rows:  # the same adapters through peft
+        assert rows["lora_hf_peft"]["num_trainable"] == lora["num_trainable"]
