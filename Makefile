@@ -15,6 +15,7 @@ $(STAMP): setup.py
 	$(PYBIN) -m pip install -q --upgrade pip
 	$(PYBIN) -m pip install -q torch==2.11.0 torchaudio==2.11.0
 	$(PYBIN) -m pip install -q -e '.[dev]'
+	$(PYBIN) -m pip install -q --no-deps voxcpm==2.0.3  # the TTS recipe's model code only (its deps: the dev extra)
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv with torch==2.11.0, torchaudio==2.11.0 and ddptrain (editable)

@@ -20,7 +20,9 @@ setup(
         "omegaconf>=2.3",
         "tqdm",
     ],
-    # transformers: the GLM-ASR and Whisper/wav2vec2 recipes (examples/) and their tests; ddptrain never imports it
-    extras_require={"dev": ["pytest", "pytest-timeout", "transformers>=5.0"]},
+    # transformers: the GLM-ASR and Whisper/wav2vec2 recipes (examples/) and their tests; ddptrain never imports it.
+    # einops, pydantic: what VoxCPM's model code needs (the TTS recipe); `make install` adds voxcpm itself with
+    # --no-deps, since its declared dependencies are its whole TTS app (gradio, funasr, modelscope, ...)
+    extras_require={"dev": ["pytest", "pytest-timeout", "transformers>=5.0", "einops", "pydantic>=2"]},
     license="Apache-2.0",
 )

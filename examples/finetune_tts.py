@@ -1,0 +1,425 @@
+"""Fine-tune VoxCPM (0.5B / 1.5) text-to-speech on one voice or dialect with ddptrain.Trainer.
+
+    # the CPU demo: a tiny random-init VoxCPM on the shipped Lancashire-English corpus (~2 min)
+    python examples/finetune_tts.py --config configs/tts_dialect.yaml
+    # VoxCPM1.5 from a folder you downloaded, full fine-tuning on your data, 8 GPUs
+    torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm15.yaml \\
+        tts.path=/models/VoxCPM1.5 data.train_manifest=my/train.jsonl data.eval_manifest=my/dev.jsonl
+    # the same with LoRA r=8 on q/k/v/o of both LMs and the DiT (upstream's LoRA recipe)
+    torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm15_lora.yaml tts.path=...
+
+The model is upstream's ``voxcpm.model.voxcpm.VoxCPMModel`` (``pip install --no-deps
+voxcpm==2.0.3 einops pydantic``; see examples/models/voxcpm_tts.py), its loss its own forward's:
+flow matching of the latent patches ("diff") plus the stop head's cross-entropy ("stop").
+
+Data: NeMo-style manifests (``audio_filepath``, ``text``, optional ``duration``/``offset``/``id``).
+The audio is encoded to VAE latents once (examples/prepare_tts.py, run here on rank 0 first: a
+no-op when the cache is current), so training reads small latent files and the VAE never enters
+the trained module. Batches come from ``DurationBucketSampler``: ``data.max_duration`` budgets
+padded seconds of *latent* audio per batch (batch size x the longest utterance's latent frames /
+the VAE's frame rate), and ``tts.max_text_tokens`` caps batch size x the longest text.
+
+The loss contract: ``loss_fn -> (loss_sum, latent frames)``. Upstream's forward returns two means
+per batch: the flow-matching error averaged over the loss-masked latent frames, and the stop
+cross-entropy averaged over the loss-masked patches (P = patch_size frames each). This recipe
+returns ``(w_diff * diff + w_stop * stop) * frames`` with ``frames`` the loss-masked latent
+frames, i.e. the diff error summed over frames plus every patch's stop term counted once for
+each of its P frames. For one batch, loss_sum / frames is exactly upstream's total
+``diff + stop``; over accumulation and GPUs ddptrain divides by the step's total frames, so a
+long utterance weighs by its length instead of every batch counting the same.
+
+Evaluation: the loss (and its ``diff``/``stop`` parts) on the eval set under a fixed seed (the
+flow-matching noise and time steps are random: with a fixed seed successive evaluations are
+comparable, and training's random stream is left as it was); then ``tts.num_samples`` eval
+texts synthesised (upstream's inference loop, classifier-free guidance ``tts.sample_cfg``,
+``tts.sample_timesteps`` Euler steps) and decoded through the VAE: written to
+``output_dir/samples/step_N/ID.wav`` and logged to TensorBoard as audio (``samples/ID``; the
+VAE's reconstruction of the reference as ``reference/ID``, once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ddptrain  # noqa: E402
+from ddptrain.data import DataError, DurationBucketSampler, Problem  # noqa: E402
+from models import voxcpm_tts as vt  # noqa: E402
+from prepare_tts import CachedUtterance, prepare, read_cache  # noqa: E402
+
+
+@dataclass
+class TTSConfig:
+    path: str = ""  # VoxCPM checkpoint folder (config.json, model.safetensors, audiovae.*, tokenizer); "" = random init from preset
+    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (the published layout, ~0.8B)
+    vae_seed: int = 0  # random init: seed of the random VAE's weights (the latent cache records it)
+    diff_weight: float = 1.0  # weight of the flow-matching loss (upstream lambdas["loss/diff"])
+    stop_weight: float = 1.0  # weight of the stop loss (upstream lambdas["loss/stop"])
+    max_text_tokens: int = 0  # batch size x longest text (tokens) <= this; 0 = no limit
+    test_manifests: list[str] = field(default_factory=list)  # scored (loss) after training
+    num_samples: int = 2  # at every evaluation: synthesise this many eval texts (rank 0); 0 = none
+    sample_timesteps: int = 10  # Euler steps of the flow-matching sampler
+    sample_cfg: float = 2.0  # classifier-free guidance of the sampler
+    sample_max_ratio: float = 2.0  # a sample stops after this many times its reference's patches (if the stop head has not)
+    sample_seed: int = 42  # noise seed of the samples (the same at every evaluation)
+    eval_seed: int = 1234  # evaluation losses are computed under this seed (comparable across evaluations)
+    report: str = "report.json"  # final eval/test losses, written inside trainer.output_dir
+
+
+@dataclass
+class RecipeConfig(ddptrain.Config):
+    tts: TTSConfig = field(default_factory=TTSConfig)
+
+
+def check_recipe_config(cfg) -> None:
+    """Raises:
+        ddptrain.ConfigError: a bad tts.* value, naming the key.
+    """
+    t = cfg.tts
+    if not t.path and t.preset not in vt.PRESETS:
+        raise ddptrain.ConfigError(f"tts.preset={t.preset!r} is not one of {', '.join(vt.PRESETS)}")
+    if t.path and not os.path.isdir(t.path):
+        raise ddptrain.ConfigError(f"tts.path={t.path!r} is not a folder (a VoxCPM checkpoint folder)")
+    for key in ("max_text_tokens", "num_samples", "vae_seed", "sample_seed", "eval_seed"):
+        if getattr(t, key) < 0:
+            raise ddptrain.ConfigError(f"tts.{key} must be >= 0, got {getattr(t, key)}")
+    if t.sample_timesteps < 1 or t.sample_max_ratio <= 0 or t.diff_weight < 0 or t.stop_weight < 0:
+        raise ddptrain.ConfigError("tts.sample_timesteps must be >= 1, tts.sample_max_ratio > 0 and the loss "
+                                   "weights >= 0")
+
+
+def compute_dtype(cfg) -> str:
+    """The model's own cast dtype: upstream trains with ``dtype: bfloat16`` under bf16 autocast."""
+    return "bfloat16" if cfg.trainer.precision == "bf16" else "float32"
+
+
+# ---------------------------------------------------------------------------------- the VAE and its cache
+
+
+def vae_spec(cfg) -> dict:
+    """What the latents depend on, without loading anything: the VAE's weights file (size,
+    modification time) or the preset and seed of a random one."""
+    t = cfg.tts
+    if t.path:
+        for name in ("audiovae.safetensors", "audiovae.pth"):
+            f = os.path.join(os.path.abspath(t.path), name)
+            if os.path.isfile(f):
+                st = os.stat(f)
+                return {"file": f, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        raise ddptrain.ConfigError(f"tts.path={t.path!r} has neither audiovae.safetensors nor audiovae.pth")
+    return {"preset": t.preset, "seed": t.vae_seed, "config": vt.PRESETS[t.preset]["audio_vae_config"]}
+
+
+def model_layout(cfg):
+    """The VoxCPMConfig of the run (from tts.path's config.json, or the preset)."""
+    if cfg.tts.path:
+        with open(os.path.join(cfg.tts.path, "config.json"), encoding="utf-8") as f:
+            return vt.import_voxcpm().VoxCPMConfig.model_validate_json(f.read())
+    return vt.preset_config(cfg.tts.preset, 0, compute_dtype(cfg))
+
+
+def random_vae(cfg):
+    torch.manual_seed(cfg.tts.vae_seed)
+    return vt.vae_from_config(model_layout(cfg).audio_vae_config).float().eval().requires_grad_(False)
+
+
+def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device] = None) -> dict:
+    """Bring ``manifest``'s latent cache up to date for this run's VAE (a no-op when current)."""
+    patch = model_layout(cfg).patch_size
+
+    def get_vae():
+        v = vae
+        if v is None:
+            v = vt.load_pretrained(cfg.tts.path, "cpu", "float32")[1] if cfg.tts.path else random_vae(cfg)
+        dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if dev.type == "cpu":  # the VAE's small convolutions lose much to competing threads (20x on 2 busy cores)
+            torch.set_num_threads(1)
+        return v.to(dev), lambda m, wave: vt.encode_latents(m, wave, patch)
+
+    threads = torch.get_num_threads()
+    try:
+        return prepare(manifest, vae_spec(cfg), patch, get_vae, cfg.data.bad_data)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def config_manifests(cfg) -> list[str]:
+    return [m for m in [cfg.data.train_manifest, cfg.data.eval_manifest, *cfg.tts.test_manifests] if m]
+
+
+# ---------------------------------------------------------------------------------- batches
+
+
+class LatentDataset(Dataset):
+    """Cached utterances -> ``{"id", "text_ids", "latents"}`` (latents read from their .npy)."""
+
+    def __init__(self, utts: Sequence[CachedUtterance], text_ids: Sequence[list[int]]):
+        self.utts, self.text_ids = list(utts), list(text_ids)
+
+    def __len__(self) -> int:
+        return len(self.utts)
+
+    def __getitem__(self, i: int) -> dict:
+        u = self.utts[i]
+        try:
+            z = np.load(u.latent_path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{u.source}:{u.line} (id {u.id}): cannot read latent file {u.latent_path}: {e}") from None
+        return {"id": u.id, "text_ids": self.text_ids[i], "latents": torch.from_numpy(z)}
+
+
+class TTSCollator:
+    """Examples -> one padded batch of upstream's sequences (:func:`voxcpm_tts.pack_utterance`).
+
+    Batch keys: ``ids``; ``text_tokens``, ``text_mask``, ``audio_mask``, ``loss_mask``,
+    ``labels``, ``position_ids`` (B, S); ``audio_feats`` (B, S, P, D); ``frames`` (int: the
+    loss-masked latent frames, the loss's units) and ``patches`` (int), counted on the host so a
+    step needs no device sync. Padding (to a multiple of ``pad_multiple``) has every mask at 0.
+    """
+
+    def __init__(self, patch_size: int, pad_multiple: int = 1):
+        self.patch, self.multiple = patch_size, max(1, pad_multiple)
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        batch: dict = {"ids": [e["id"] for e in examples]}
+        if not examples:
+            return batch  # an evaluation filler: the Trainer skips it
+        seqs = [vt.pack_utterance(e["text_ids"], e["latents"], self.patch) for e in examples]
+        s = -(-max(len(q["labels"]) for q in seqs) // self.multiple) * self.multiple
+        for key in ("text_tokens", "text_mask", "audio_mask", "loss_mask", "labels"):
+            out = torch.zeros(len(seqs), s, dtype=torch.int32)
+            for b, q in enumerate(seqs):
+                out[b, :len(q[key])] = q[key]
+            batch[key] = out
+        feats = torch.zeros(len(seqs), s, *seqs[0]["audio_feats"].shape[1:])
+        for b, q in enumerate(seqs):
+            feats[b, :len(q["labels"])] = q["audio_feats"]
+        batch["audio_feats"] = feats
+        batch["position_ids"] = torch.arange(s).repeat(len(seqs), 1)  # unused by the model, as upstream
+        patches = int(batch["loss_mask"].sum())
+        batch.update(patches=patches, frames=patches * self.patch)
+        return batch
+
+
+def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train: bool, world_size: int,
+                 rank: int) -> DataLoader:
+    """Cached utterances -> a bucketed DataLoader of TTS batches.
+
+    Raises:
+        DataError: an utterance whose sequence (text + patches + 2) exceeds the model's
+            ``max_length`` (named with its manifest line; ``data.bad_data: skip`` drops it), or
+            no utterance left.
+    """
+    data, t = cfg.data, cfg.tts
+    rate = vt.frame_rate(layout.audio_vae_config)
+    keep, ids, problems = [], [], []
+    for u in utts:
+        x = tokenizer(u.text)
+        n = len(x) + u.frames // layout.patch_size + 2
+        if n > layout.max_length:
+            problems.append(Problem(u.source, u.line, u.id, f"{n} positions (text + latent patches + 2) exceed the "
+                                    f"model's max_length {layout.max_length}"))
+        else:
+            keep.append(u)
+            ids.append(x)
+    if problems and data.bad_data == "error":
+        raise DataError.from_problems(f"{len(problems)} utterance(s) are too long for the model", problems)
+    if not keep:
+        raise DataError("no utterances left to train or evaluate on")
+    seconds = np.array([u.frames / rate for u in keep])
+    sampler = DurationBucketSampler(seconds, max_duration=data.max_duration, max_batch_size=data.max_batch_size,
+                                    tokens=np.array([len(x) for x in ids], dtype=np.float64),
+                                    max_tokens=t.max_text_tokens, num_buckets=data.num_buckets,
+                                    sort_pool=data.bucket_sort_pool, sync_buckets=data.sync_buckets,
+                                    shuffle=data.shuffle and train, tail=data.tail if train else "exact",
+                                    seed=data.seed, world_size=world_size, rank=rank)
+    workers = max(0, data.num_workers)
+    return DataLoader(LatentDataset(keep, ids), batch_sampler=sampler,
+                      collate_fn=TTSCollator(layout.patch_size, data.pad_to_multiple), num_workers=workers,
+                      pin_memory=data.pin_memory and torch.cuda.is_available(),
+                      persistent_workers=data.persistent_workers and workers > 0,
+                      prefetch_factor=data.prefetch_factor if workers > 0 else None,
+                      timeout=data.loader_timeout_s if workers > 0 else 0)
+
+
+# ---------------------------------------------------------------------------------- objective
+
+
+class TTSObjective:
+    """The loss contract for VoxCPM (see the module docstring): ``((w_d diff + w_s stop) * frames, frames)``.
+
+    ``progress`` (step / total steps) feeds the forward's ``progress`` as upstream's script does
+    (it moves the noisy-condition and mean-mode schedules; a no-op for VoxCPM-1.5's settings).
+    """
+
+    def __init__(self, diff_weight: float = 1.0, stop_weight: float = 1.0):
+        self.wd, self.ws = diff_weight, stop_weight
+        self.progress = lambda: 0.0
+        self._last: Optional[tuple] = None  # evaluation: the parts of the batch just scored
+
+    def outputs(self, model, batch) -> dict:
+        return model(batch["text_tokens"], batch["text_mask"], batch["audio_feats"], batch["audio_mask"],
+                     batch["loss_mask"], batch["position_ids"], batch["labels"], progress=self.progress())
+
+    def __call__(self, model, batch):
+        out = self.outputs(model, batch)
+        frames = batch["frames"]
+        if not model.training:  # metrics() reads the parts of this same forward
+            self._last = (id(batch), out)
+        return (self.wd * out["loss/diff"] + self.ws * out["loss/stop"]) * frames, frames
+
+    def metrics(self, model, batch) -> dict:
+        """Eval metrics as (numerator, denominator): the diff loss per frame, the stop loss per patch."""
+        out = self._last[1] if self._last and self._last[0] == id(batch) else self.outputs(model, batch)
+        self._last = None
+        return {"diff": (float(out["loss/diff"]) * batch["frames"], batch["frames"]),
+                "stop": (float(out["loss/stop"]) * batch["patches"], batch["patches"])}
+
+
+# ---------------------------------------------------------------------------------- samples
+
+
+class SampleWriter:
+    """Synthesises a few eval texts at each evaluation: wav files and TensorBoard audio (rank 0)."""
+
+    def __init__(self, vae, tokenizer, utts: Sequence[CachedUtterance], cfg, patch_size: int):
+        self.vae, self.tok, self.utts, self.cfg, self.patch = vae, tokenizer, list(utts), cfg, patch_size
+        self.sample_rate = int(vae.sample_rate)
+        self._logged_references = False
+
+    def __call__(self, module, step: int, logger) -> list[str]:
+        import soundfile as sf
+
+        t = self.cfg.tts
+        folder = os.path.join(self.cfg.trainer.output_dir, "samples", f"step_{step:07d}")
+        os.makedirs(folder, exist_ok=True)
+        written = []
+        for u in self.utts:
+            limit = max(4, math.ceil(t.sample_max_ratio * u.frames / self.patch))
+            wave = vt.synthesize(module, self.vae, self.tok(u.text), limit, t.sample_timesteps, t.sample_cfg,
+                                 t.sample_seed).numpy()
+            wave = vt.peak_normalise(wave)
+            path = os.path.join(folder, f"{u.id}.wav")
+            sf.write(path, wave, self.sample_rate)
+            written.append(path)
+            if logger is not None and logger.tb is not None:
+                logger.tb.add_audio(f"samples/{u.id}", torch.from_numpy(wave)[None], step, self.sample_rate)
+                if not self._logged_references:
+                    z = torch.from_numpy(np.load(u.latent_path)).T[None].to(next(self.vae.parameters()).device)
+                    with torch.no_grad(), torch.autocast(z.device.type, enabled=False):
+                        ref = vt.peak_normalise(self.vae.decode(z.float()).reshape(-1).cpu().numpy())
+                    logger.tb.add_audio(f"reference/{u.id}", torch.from_numpy(ref)[None], step, self.sample_rate)
+        self._logged_references = True
+        if logger is not None:
+            logger.print(f"samples: {len(written)} wav file(s) in {folder}")
+        return written
+
+
+class TTSTrainer(ddptrain.Trainer):
+    """The Trainer, with evaluations under a fixed seed followed by synthesised samples."""
+
+    samples: Optional[SampleWriter] = None
+    eval_seed: int = 0
+
+    def evaluate(self, data=None, prefix: str = "eval", max_batches: int = 0) -> dict:
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # training's random stream continues untouched
+            torch.manual_seed(self.eval_seed)
+            result = super().evaluate(data, prefix, max_batches)
+            if data is None and not max_batches and self.samples is not None and self.info.is_main:
+                with self.precision.autocast():
+                    self.samples(self.module, self.progress.step, self.logger)
+        return result
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    vae: torch.nn.Module
+    tokenizer: vt.TextTokenizer
+    layout: object  # VoxCPMConfig
+
+
+def build_model(cfg, info) -> Built:
+    """The model (VAE removed), the VAE and the tokenizer for ``cfg``."""
+    check_recipe_config(cfg)
+    device = str(info.device)
+    if cfg.tts.path:
+        model, vae, hf_tok = vt.load_pretrained(cfg.tts.path, device, compute_dtype(cfg))
+    else:
+        vae, hf_tok = random_vae(cfg), vt.char_tokenizer()
+        torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and every run
+        model = vt.build_model(vt.preset_config(cfg.tts.preset, len(hf_tok), compute_dtype(cfg)), hf_tok, vae, device)
+    return Built(model, vae, vt.TextTokenizer(hf_tok), model.config)
+
+
+def build(cfg, info) -> tuple:
+    """(Built, objective, train loader, eval loader or None, eval utterances): prepares the
+    latent caches on rank 0 first."""
+    b = build_model(cfg, info)
+    if info.is_main:
+        for m in config_manifests(cfg):
+            prepare_manifest(cfg, m, b.vae, info.device)
+    ddptrain.dist.barrier()  # the other ranks read the caches rank 0 just wrote
+    spec, patch = vae_spec(cfg), b.layout.patch_size
+    train = build_loader(read_cache(cfg.data.train_manifest, spec, patch), cfg, b.tokenizer, b.layout, True,
+                         info.world_size, info.rank)
+    eval_utts = read_cache(cfg.data.eval_manifest, spec, patch) if cfg.data.eval_manifest else []
+    evals = (build_loader(eval_utts, cfg, b.tokenizer, b.layout, False, info.world_size, info.rank)
+             if eval_utts else None)
+    return b, TTSObjective(cfg.tts.diff_weight, cfg.tts.stop_weight), train, evals, eval_utts
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (configs/tts_*.yaml)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = ddptrain.load_config(args.config, overrides, schema=RecipeConfig)
+    info = ddptrain.setup_distributed(cfg)
+    b, objective, train, evals, eval_utts = build(cfg, info)
+    trainer = TTSTrainer(b.model, objective, cfg, train, eval_data=evals, metrics_fn=objective.metrics)
+    trainer.eval_seed = cfg.tts.eval_seed
+    objective.progress = lambda: trainer.progress.step / max(1, trainer.total_steps)
+    if info.is_main and cfg.tts.num_samples and eval_utts:
+        chosen = sorted(eval_utts, key=lambda u: u.id)[:cfg.tts.num_samples]
+        trainer.samples = SampleWriter(b.vae.to(trainer.device), b.tokenizer, chosen, cfg, b.layout.patch_size)
+    if info.is_main:
+        n = sum(p.numel() for p in b.model.parameters())
+        k = sum(p.numel() for p in b.model.parameters() if p.requires_grad)
+        print(f"VoxCPM: {n:,} parameters ({k:,} trained{', LoRA' if trainer.adapted else ''}), VAE apart "
+              f"({sum(p.numel() for p in b.vae.parameters()):,}); {len(train)} batches/epoch/rank on "
+              f"{info.world_size} process(es), device {trainer.device}; recomputed {len(trainer.recomputed)}, "
+              f"compiled {len(trainer.compiled)} modules")
+    start = time.time()
+    summary = {"eval": trainer.fit()}
+    summary["train_seconds"] = round(time.time() - start, 1)
+    spec, patch = vae_spec(cfg), b.layout.patch_size
+    summary["test"] = {m: trainer.evaluate(build_loader(read_cache(m, spec, patch), cfg, b.tokenizer, b.layout, False,
+                                                        info.world_size, info.rank), prefix="test")
+                       for m in cfg.tts.test_manifests}
+    trainer.close()  # after the test-set evaluations: they are logged too
+    if info.is_main:
+        with open(os.path.join(cfg.trainer.output_dir, cfg.tts.report), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(json.dumps(summary, indent=1))
+    ddptrain.dist.teardown()
+    return summary
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,353 @@
+"""VoxCPM (0.5B / 1.5) for training with ddptrain: the upstream model, its VAE kept apart.
+
+The model is upstream's own ``voxcpm.model.voxcpm.VoxCPMModel`` (PyPI ``voxcpm``), unchanged:
+its forward computes the flow-matching ("diff") and stop losses exactly as OpenBMB's fine-tuning
+script trains them. What this file adds:
+
+* :func:`import_voxcpm`: the model module without the package's ``__init__`` files, which import
+  the whole TTS app (VoxCPM2, librosa, huggingface_hub downloads). Install the model alone with
+  ``pip install --no-deps voxcpm==2.0.3 einops pydantic`` (transformers and safetensors are
+  ddptrain's dev dependencies already).
+* Presets for random-initialised models (:data:`PRESETS`): ``voxcpm1.5`` is VoxCPM-1.5's layout
+  as published (MiniCPM4 base LM of 24 layers, 8-layer residual LM, 8-layer local encoder and
+  local DiT, patch size 4, a 44.1 kHz VAE at 25 latent frames/s; ~0.8B parameters); ``tiny`` is
+  a few hundred thousand parameters for CPU tests and the demo.
+* :func:`load_pretrained`: a checkpoint folder a user already has (``config.json``,
+  ``model.safetensors`` or ``pytorch_model.bin``, ``audiovae.safetensors`` or ``audiovae.pth``,
+  tokenizer files), read like upstream's ``VoxCPMModel.from_local(training=True)`` but strictly
+  (a missing or unexpected tensor is an error) and with the VAE returned apart: the VAE is
+  frozen and only encodes audio once (examples/prepare_tts.py) and decodes samples, so it never
+  sits in the trained module, its optimizer state or its gradient all-reduce.
+* :func:`pack_utterance`: one utterance's training sequence from cached latents, laid out as
+  upstream's ``AudioFeatureProcessingPacker.process_tts_data`` lays it out from audio.
+* :func:`synthesize`: text -> latents (upstream's ``_inference``) -> waveform through the VAE.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+AUDIO_START, AUDIO_END = 101, 102  # upstream's token ids around the audio of a TTS sequence
+RESERVED_IDS = 128  # the character tokenizer keeps ids below this free for such special tokens
+
+
+def import_voxcpm():
+    """``voxcpm.model.voxcpm`` (the model module), without running ``voxcpm/__init__.py`` or
+    ``voxcpm/model/__init__.py``.
+
+    Those import the whole app (``voxcpm.core``: huggingface_hub downloads; ``voxcpm2``:
+    librosa, ...); the model itself needs torch, einops, pydantic and transformers only. The
+    two packages are registered as their own module objects with their ``__init__`` left unrun,
+    so ``voxcpm.model.voxcpm`` and ``voxcpm.modules.*`` import normally beneath them.
+
+    Raises:
+        ImportError: voxcpm (or one of the model's own dependencies) is not installed.
+    """
+    if "voxcpm.model.voxcpm" in sys.modules:
+        return sys.modules["voxcpm.model.voxcpm"]
+    for name in ("voxcpm", "voxcpm.model", "voxcpm.training"):
+        if name in sys.modules:
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise ImportError("the VoxCPM recipe needs the voxcpm package: pip install --no-deps voxcpm==2.0.3 "
+                              "einops pydantic (its other dependencies are the TTS app's, not the model's)")
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # the package, its __init__ not run
+        if "." in name:
+            parent, _, child = name.rpartition(".")
+            setattr(sys.modules[parent], child, sys.modules[name])
+    return importlib.import_module("voxcpm.model.voxcpm")
+
+
+def upstream_packer_class():
+    """Upstream's ``AudioFeatureProcessingPacker`` (the training script's audio -> sequence step)."""
+    import_voxcpm()
+    return importlib.import_module("voxcpm.training.packers").AudioFeatureProcessingPacker
+
+
+# ---------------------------------------------------------------------------------- configs
+
+
+def _lm(hidden, ffn, heads, kv_heads, layers, vocab, max_pos) -> dict:
+    head_dim = hidden // heads
+    return {"bos_token_id": 1, "eos_token_id": 2, "hidden_size": hidden, "intermediate_size": ffn,
+            "max_position_embeddings": max_pos, "num_attention_heads": heads, "num_hidden_layers": layers,
+            "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
+            "rope_scaling": {"type": "longrope", "long_factor": [1.0] * (head_dim // 2),
+                             "short_factor": [1.0] * (head_dim // 2), "original_max_position_embeddings": max_pos},
+            "vocab_size": vocab, "use_mup": False, "scale_emb": 12, "dim_model_base": 256, "scale_depth": 1.4,
+            "rope_theta": 10000.0}
+
+
+PRESETS = {
+    # VoxCPM-1.5's published layout: 44.1 kHz VAE (hop 1764: 25 latent frames/s), patch 4 (6.25 LM steps/s)
+    "voxcpm1.5": {
+        "lm_config": _lm(1024, 4096, 16, 2, 24, 73448, 32768), "patch_size": 4, "feat_dim": 64,
+        "residual_lm_num_layers": 8, "scalar_quantization_latent_dim": 256, "scalar_quantization_scale": 9,
+        "encoder_config": {"hidden_dim": 1024, "ffn_dim": 4096, "num_heads": 16, "num_layers": 8},
+        "dit_config": {"hidden_dim": 1024, "ffn_dim": 4096, "num_heads": 16, "num_layers": 8,
+                       "cfm_config": {"sigma_min": 1e-6, "solver": "euler", "t_scheduler": "log-norm",
+                                      "training_cfg_rate": 0.1, "inference_cfg_rate": 2.0}},
+        "audio_vae_config": {"encoder_dim": 128, "encoder_rates": [2, 3, 6, 7, 7], "latent_dim": 64,
+                             "decoder_dim": 2048, "decoder_rates": [7, 7, 6, 3, 2], "depthwise": True,
+                             "sample_rate": 44100},
+        "max_length": 4096,
+    },
+    # CPU tests and the demo: 16 kHz VAE (hop 640: 25 latent frames/s), patch 2
+    "tiny": {
+        "lm_config": _lm(64, 128, 4, 2, 2, 0, 1024), "patch_size": 2, "feat_dim": 16,
+        "residual_lm_num_layers": 1, "scalar_quantization_latent_dim": 16, "scalar_quantization_scale": 9,
+        "encoder_config": {"hidden_dim": 64, "ffn_dim": 128, "num_heads": 4, "num_layers": 1},
+        "dit_config": {"hidden_dim": 64, "ffn_dim": 128, "num_heads": 4, "num_layers": 2,
+                       "cfm_config": {"sigma_min": 1e-6, "solver": "euler", "t_scheduler": "log-norm",
+                                      "training_cfg_rate": 0.1, "inference_cfg_rate": 2.0}},
+        "audio_vae_config": {"encoder_dim": 8, "encoder_rates": [2, 5, 8, 8], "latent_dim": 16,
+                             "decoder_dim": 32, "decoder_rates": [8, 8, 5, 2], "depthwise": True,
+                             "sample_rate": 16000},
+        "max_length": 512,
+    },
+}
+
+
+def preset_config(preset: str, vocab_size: int, dtype: str = "float32"):
+    """A ``VoxCPMConfig`` of ``preset`` with the given vocabulary (the tiny preset takes the
+    tokenizer's size; ``voxcpm1.5`` keeps its own 73,448 unless ``vocab_size`` is larger).
+
+    Raises:
+        ValueError: an unknown preset.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown VoxCPM preset {preset!r} (known: {', '.join(PRESETS)})")
+    raw = copy.deepcopy(PRESETS[preset])
+    raw["lm_config"]["vocab_size"] = max(raw["lm_config"]["vocab_size"], int(vocab_size))
+    raw["dtype"] = dtype
+    return import_voxcpm().VoxCPMConfig.model_validate(raw)
+
+
+def vae_from_config(vae_config) -> torch.nn.Module:
+    """A random-initialised ``AudioVAE`` (weights set by the caller's torch seed)."""
+    import_voxcpm()
+    from voxcpm.modules.audiovae import AudioVAE
+
+    return AudioVAE(config=vae_config)
+
+
+def char_tokenizer():
+    """A character tokenizer for random-initialised models (no tokenizer files needed).
+
+    Printable ASCII, one token per character, space as ``▁``; ids below 128 are reserved
+    (upstream's audio start/end tokens are 101/102), 0 is ``<unk>``. It is the same whatever the
+    data, so a run resumes with the same ids. A pretrained checkpoint brings its own tokenizer.
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<reserved_{i}>": i for i in range(3, RESERVED_IDS)})
+    for i, c in enumerate(chr(x) for x in range(32, 127)):
+        vocab["▁" if c == " " else c] = RESERVED_IDS + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+class TextTokenizer:
+    """Text -> ids as upstream's training script makes them (``model.text_tokenizer(text)``:
+    the tokenizer's tokens with multi-character Chinese tokens split, no special tokens)."""
+
+    def __init__(self, hf_tokenizer):
+        vox = import_voxcpm()
+        self.hf = hf_tokenizer
+        self._wrapped = vox.mask_multichar_chinese_tokens(hf_tokenizer)
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._wrapped(text))
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+# ---------------------------------------------------------------------------------- model + VAE
+
+
+def build_model(config, hf_tokenizer, vae: torch.nn.Module, device: str) -> torch.nn.Module:
+    """Upstream's ``VoxCPMModel`` for ``config``, with its VAE taken out again.
+
+    The constructor needs a VAE (it reads its chunk size and sample rate) and makes the
+    generation KV caches on ``device``; the VAE is then deleted from the module, as upstream's
+    training script does before DDP, so it is neither trained nor saved nor all-reduced.
+    """
+    vox = import_voxcpm()
+    model = vox.VoxCPMModel(config, hf_tokenizer, vae, None, device=str(device))
+    del model.audio_vae
+    return model
+
+
+def load_pretrained(path: str, device: str, dtype: str) -> tuple:
+    """``(model, vae, hf_tokenizer)`` from a VoxCPM checkpoint folder (e.g. VoxCPM1.5).
+
+    Args:
+        path: folder with config.json, model.safetensors (or pytorch_model.bin),
+            audiovae.safetensors (or audiovae.pth) and the tokenizer files.
+        device: where the model's generation caches go (the Trainer moves the weights).
+        dtype: the model's compute dtype for its own casts (``bfloat16`` under bf16 autocast,
+            ``float32`` otherwise); overrides config.json's.
+
+    Raises:
+        FileNotFoundError: a file is missing (named).
+        RuntimeError: the weights do not match the config (missing/unexpected tensors named).
+    """
+    from safetensors.torch import load_file
+    from transformers import LlamaTokenizerFast
+
+    vox = import_voxcpm()
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path}: no config.json (a VoxCPM checkpoint folder has config.json, "
+                                "model.safetensors, audiovae.safetensors/.pth and tokenizer files)")
+    with open(cfg_file, encoding="utf-8") as f:
+        config = vox.VoxCPMConfig.model_validate_json(f.read())
+    config.dtype = dtype
+
+    def tensors(stem: str) -> dict:
+        st, pt = os.path.join(path, stem + ".safetensors"), os.path.join(path, stem + (".pth" if stem == "audiovae"
+                                                                                        else ".bin"))
+        if stem == "model" and not os.path.exists(st):
+            pt = os.path.join(path, "pytorch_model.bin")
+        if os.path.exists(st):
+            return load_file(st)
+        if os.path.exists(pt):
+            obj = torch.load(pt, map_location="cpu", weights_only=True)
+            return obj.get("state_dict", obj)
+        raise FileNotFoundError(f"{path}: neither {os.path.basename(st)} nor {os.path.basename(pt)}")
+
+    vae = vae_from_config(config.audio_vae_config) if config.audio_vae_config else vae_from_config(None)
+    vae.load_state_dict(tensors("audiovae"), strict=True)
+    hf_tok = LlamaTokenizerFast.from_pretrained(path, local_files_only=True)
+    model = build_model(config, hf_tok, vae, device)
+    state = {k: v for k, v in tensors("model").items() if not k.startswith("audio_vae.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: the weights do not match config.json: missing {missing[:8]}, "
+                           f"unexpected {unexpected[:8]}")
+    return model, vae.float().eval().requires_grad_(False), hf_tok
+
+
+def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
+    """Write a folder :func:`load_pretrained` (and upstream's ``from_local``) reads."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    raw = model.config.model_dump()
+    raw["audio_vae_config"] = vae_config_dict(vae)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(raw, f, indent=1)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+              os.path.join(path, "model.safetensors"))
+    save_file({k: v.detach().contiguous() for k, v in vae.state_dict().items()},
+              os.path.join(path, "audiovae.safetensors"))
+    hf_tokenizer.save_pretrained(path)
+
+
+def vae_config_dict(vae) -> dict:
+    return {"encoder_dim": vae.encoder_dim, "encoder_rates": list(vae.encoder_rates), "latent_dim": vae.latent_dim,
+            "decoder_dim": vae.decoder_dim, "decoder_rates": list(vae.decoder_rates), "depthwise": vae.depthwise,
+            "sample_rate": int(vae.sample_rate), "use_noise_block": vae.use_noise_block}
+
+
+def frame_rate(vae_config) -> float:
+    """Latent frames per second of audio."""
+    return vae_config.sample_rate / math.prod(vae_config.encoder_rates)
+
+
+# ---------------------------------------------------------------------------------- sequences
+
+
+@torch.no_grad()
+def encode_latents(vae, wave: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """``(frames, latent_dim)`` latents of a mono waveform at the VAE's rate, as upstream's
+    packer makes them: the audio right-padded to whole patches, then the VAE encoder's mean."""
+    patch_len = int(vae.hop_length) * patch_size
+    x = wave.reshape(1, 1, -1).float()
+    if x.shape[-1] % patch_len:
+        x = torch.nn.functional.pad(x, (0, patch_len - x.shape[-1] % patch_len))
+    z = vae.encode(x.to(next(vae.parameters()).device), vae.sample_rate)  # (1, D, T)
+    return z[0].transpose(0, 1).float().cpu()
+
+
+def pack_utterance(text_ids: Sequence[int], latents: torch.Tensor, patch_size: int) -> dict:
+    """One TTS training sequence, upstream's layout (``process_tts_data``, no reference audio):
+
+    ``text ids, 101, one position per latent patch, 102``; audio features at the patch
+    positions; the loss on the patch positions; the stop label 1 on the last patch.
+
+    Args:
+        text_ids: the text's token ids.
+        latents: ``(frames, D)``, frames a multiple of ``patch_size``.
+        patch_size: latent frames per LM position.
+
+    Returns:
+        Tensors of length S = len(text_ids) + patches + 2: ``text_tokens``, ``text_mask``,
+        ``audio_mask``, ``loss_mask``, ``labels`` (int32) and ``audio_feats`` (S, P, D).
+    """
+    frames, dim = latents.shape
+    if frames % patch_size:
+        raise ValueError(f"{frames} latent frames are not whole patches of {patch_size}")
+    a, t = frames // patch_size, len(text_ids) + 1
+    s = t + a + 1
+    text = torch.zeros(s, dtype=torch.int32)
+    text[: t - 1] = torch.as_tensor(list(text_ids), dtype=torch.int32)
+    text[t - 1], text[-1] = AUDIO_START, AUDIO_END
+    feats = torch.zeros(s, patch_size, dim, dtype=torch.float32)
+    feats[t:t + a] = latents.float().reshape(a, patch_size, dim)
+    audio = torch.zeros(s, dtype=torch.int32)
+    audio[t:t + a] = 1
+    text_mask = 1 - audio
+    labels = torch.zeros(s, dtype=torch.int32)
+    labels[-2] = 1
+    return {"text_tokens": text, "text_mask": text_mask, "audio_mask": audio, "loss_mask": audio.clone(),
+            "labels": labels, "audio_feats": feats}
+
+
+@torch.no_grad()
+def synthesize(model, vae, text_ids: Sequence[int], max_patches: int, timesteps: int = 10, cfg_value: float = 2.0,
+               seed: int = 0) -> torch.Tensor:
+    """Speak ``text_ids`` (no prompt audio): upstream's ``_inference`` loop, then the VAE.
+
+    Runs under a forked RNG, so training's random stream is untouched.
+
+    Returns:
+        The waveform at the VAE's rate, float32 on the CPU, shape ``(samples,)``.
+    """
+    vox = import_voxcpm()
+    device = next(model.parameters()).device
+    p, d = model.patch_size, model.feat_dim
+    tokens = torch.tensor([*text_ids, AUDIO_START], dtype=torch.long, device=device)[None]
+    n = tokens.shape[1]
+    feats = torch.zeros(1, n, p, d, device=device, dtype=vox.get_dtype(model.config.dtype))
+    text_mask = torch.ones(1, n, dtype=torch.int32, device=device)
+    audio_mask = torch.zeros(1, n, dtype=torch.int32, device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        latents, _ = vox.next_and_close(model._inference(tokens, text_mask, feats, audio_mask, min_len=2,
+                                                         max_len=int(max_patches), inference_timesteps=timesteps,
+                                                         cfg_value=cfg_value))
+    vae_device = next(vae.parameters()).device
+    wave = vae.decode(latents.to(vae_device, torch.float32))
+    return wave.reshape(-1).float().cpu()
+
+
+def peak_normalise(wave: np.ndarray, peak: float = 0.9) -> np.ndarray:
+    m = float(np.abs(wave).max()) if wave.size else 0.0
+    return wave * (peak / m) if m > 0 else wave

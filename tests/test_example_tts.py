@@ -1,0 +1,260 @@
+"""examples/finetune_tts.py and prepare_tts.py: VoxCPM (upstream's model code) on the tiny preset.
+
+A handful of utterances of the shipped dialect corpus, copied to a temporary folder. Checked:
+the latent cache is idempotent and names bad audio with its manifest line; batches are exactly
+what upstream's own packer makes from the audio; the loss is upstream's total times the
+loss-masked frames; the loss falls and samples reach wav files and TensorBoard; a resumed run
+equals the uninterrupted one; LoRA adapts only the named layers and recompute changes nothing;
+the benchmark's CPU dry run runs. voxcpm is installed by `make install` (pip --no-deps).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import finetune_tts as ft  # noqa: E402
+import prepare_tts  # noqa: E402
+
+import ddptrain  # noqa: E402
+from ddptrain.data import DataError  # noqa: E402
+from models import voxcpm_tts as vt  # noqa: E402
+
+CORPUS = os.path.join(ROOT, "examples", "data", "dialect")
+
+
+def copy_split(root, split: str, n: int) -> str:
+    os.makedirs(os.path.join(root, "audio", split), exist_ok=True)
+    rows = [json.loads(x) for x in open(os.path.join(CORPUS, f"{split}.jsonl"))][:n]
+    for r in rows:
+        shutil.copy(os.path.join(CORPUS, r["audio_filepath"]), os.path.join(root, r["audio_filepath"]))
+    path = os.path.join(root, f"{split}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """One intra-op thread (the Trainer respects OMP_NUM_THREADS): on 2 shared cores, 2 threads
+    made these tiny steps many times slower."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    return {"train": copy_split(str(tmp_path / "data"), "train", 6), "dev": copy_split(str(tmp_path / "data"), "dev", 2)}
+
+
+def recipe_config(corpus, tmp_path, *overrides):
+    return ddptrain.load_config(os.path.join(ROOT, "configs", "tts_dialect.yaml"), [
+        f"data.train_manifest={corpus['train']}", f"data.eval_manifest={corpus['dev']}", "tts.test_manifests=[]",
+        f"trainer.output_dir={tmp_path}/run", "trainer.device=cpu", "data.max_duration=9", "data.num_buckets=2",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.log_every=1", "trainer.eval_every=0",
+        "tts.num_samples=0", "checkpoint.every_steps=0", "scheduler.warmup_steps=0", "optim.lr=3e-3",
+        *overrides], schema=ft.RecipeConfig)
+
+
+def logged(run_dir, split="train"):
+    return [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if f'"split": "{split}"' in x]
+
+
+# ------------------------------------------------------------------------------ the latent cache
+
+
+def test_prepare_is_idempotent(corpus, tmp_path):
+    cfg = recipe_config(corpus, tmp_path)
+    first = ft.prepare_manifest(cfg, corpus["train"])
+    assert first["encoded"] == 6 and first["written"]
+    folder = first["dir"]
+    stamps = {f: os.stat(f).st_mtime_ns for f in glob.glob(os.path.join(folder, "*"))}
+    again = ft.prepare_manifest(cfg, corpus["train"])
+    assert (again["encoded"], again["reused"], again["written"]) == (0, 6, False)
+    assert {f: os.stat(f).st_mtime_ns for f in glob.glob(os.path.join(folder, "*"))} == stamps  # nothing rewritten
+    # changed audio is encoded again, the rest is kept
+    row = json.loads(open(corpus["train"]).readline())
+    audio = os.path.join(os.path.dirname(corpus["train"]), row["audio_filepath"])
+    wave, sr = __import__("soundfile").read(audio)
+    __import__("soundfile").write(audio, wave[: len(wave) // 2], sr, format="OGG", subtype="OPUS")
+    third = ft.prepare_manifest(cfg, corpus["train"])
+    assert (third["encoded"], third["reused"]) == (1, 5)
+    # another VAE starts the cache over; the recipe refuses a cache of another VAE
+    other = recipe_config(corpus, tmp_path, "tts.vae_seed=1")
+    with pytest.raises(DataError, match="another VAE"):
+        prepare_tts.read_cache(corpus["train"], ft.vae_spec(other), 2)
+    assert ft.prepare_manifest(other, corpus["train"])["encoded"] == 6
+
+
+def test_prepare_names_unreadable_audio(corpus, tmp_path):
+    root = os.path.dirname(corpus["train"])
+    with open(os.path.join(root, "audio", "broken.ogg"), "wb") as f:
+        f.write(b"OggS" + os.urandom(300))
+    lines = open(corpus["train"]).read().splitlines()
+    lines.insert(2, json.dumps({"audio_filepath": "audio/broken.ogg", "duration": 2.0, "text": "a broken file.", "id": "broken"}))
+    lines.append(json.dumps({"audio_filepath": "audio/missing.ogg", "duration": 1.0, "text": "no file.", "id": "missing"}))
+    bad = os.path.join(root, "bad.jsonl")
+    open(bad, "w").write("\n".join(lines) + "\n")
+    cfg = recipe_config(corpus, tmp_path)
+    with pytest.raises(DataError) as e:
+        ft.prepare_manifest(cfg, bad)
+    msg = str(e.value)
+    assert f"{bad}:3 (id broken)" in msg and "broken.ogg" in msg
+    assert f"{bad}:8 (id missing)" in msg and "missing.ogg" in msg
+    report = ft.prepare_manifest(recipe_config(corpus, tmp_path, "data.bad_data=skip"), bad)
+    assert (report["encoded"], report["skipped"]) == (6, 2)
+    assert len(prepare_tts.read_cache(bad, ft.vae_spec(cfg), 2)) == 6
+
+
+# ------------------------------------------------------------------------------ batches and the loss
+
+
+def test_batches_equal_the_upstream_packer(corpus, tmp_path):
+    cfg = recipe_config(corpus, tmp_path, "data.pad_to_multiple=1")
+    info = ddptrain.setup_distributed(cfg)
+    b, objective, train, _, _ = ft.build(cfg, info)
+    batch = next(iter(train))
+    by_id = {e.id: e for e in ddptrain.data.load_manifest(corpus["train"])}
+    packer = vt.upstream_packer_class()(dataset_cnt=1, max_len=b.layout.max_length, patch_size=b.layout.patch_size,
+                                        feat_dim=b.layout.feat_dim, audio_vae=b.vae)
+    waves = [ddptrain.data.load_audio(by_id[i].audio_filepath, 16000) for i in batch["ids"]]
+    n = max(len(w) for w in waves)
+    texts = [b.tokenizer(by_id[i].text) for i in batch["ids"]]
+    m = max(len(t) for t in texts)
+    ref = packer(audio_tokens=torch.stack([torch.nn.functional.pad(w, (0, n - len(w)), value=-100) for w in waves]),
+                 text_tokens=torch.tensor([t + [-100] * (m - len(t)) for t in texts], dtype=torch.int32),
+                 task_ids=torch.ones(len(waves), dtype=torch.long), dataset_ids=torch.zeros(len(waves), dtype=torch.long),
+                 is_prompts=[False] * len(waves))
+    assert len(batch["ids"]) >= 2
+    for key in ("text_tokens", "text_mask", "audio_mask", "loss_mask", "labels"):
+        assert torch.equal(batch[key], ref[key].to(torch.int32)), key
+    torch.testing.assert_close(batch["audio_feats"], ref["audio_feats"], rtol=1e-5, atol=1e-6)  # same VAE, same audio
+    assert batch["frames"] == int(ref["loss_mask"].sum()) * b.layout.patch_size
+    # the loss: upstream's diff + stop (a mean over frames / patches) times the loss-masked frames
+    b.model.train()
+    torch.manual_seed(5)
+    loss_sum, units = objective(b.model, batch)
+    torch.manual_seed(5)
+    out = b.model(batch["text_tokens"], batch["text_mask"], batch["audio_feats"], batch["audio_mask"],
+                  batch["loss_mask"], batch["position_ids"], batch["labels"])
+    assert units == batch["frames"]
+    torch.testing.assert_close(loss_sum / units, out["loss/diff"] + out["loss/stop"])
+
+
+def test_loss_falls_and_samples_are_written(corpus, tmp_path):
+    cfg = ["trainer.max_steps=16", "trainer.eval_every=16", "tts.num_samples=1", "tts.sample_timesteps=2",
+           "tts.sample_max_ratio=0.5",
+           "logging.tensorboard=true", "logging.log_every=4"]
+    summary = ft.main(["--config", os.path.join(ROOT, "configs", "tts_dialect.yaml"),
+                       *recipe_config_args(corpus, tmp_path), *cfg])
+    losses = [r["loss"] for r in logged(f"{tmp_path}/run")]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert set(summary["eval"]) == {"loss", "diff", "stop"}
+    assert summary["eval"]["loss"] == pytest.approx(summary["eval"]["diff"] + summary["eval"]["stop"], rel=1e-6)
+    wavs = glob.glob(f"{tmp_path}/run/samples/step_0000016/*.wav")
+    assert len(wavs) == 1 and __import__("soundfile").info(wavs[0]).samplerate == 16000
+    from tensorboard.backend.event_processing.event_accumulator import AUDIO, EventAccumulator
+
+    tags = EventAccumulator(f"{tmp_path}/run/tensorboard", size_guidance={AUDIO: 0}).Reload().Tags()["audio"]
+    assert any(t.startswith("samples/") for t in tags) and any(t.startswith("reference/") for t in tags)
+
+
+def recipe_config_args(corpus, tmp_path):
+    return [f"data.train_manifest={corpus['train']}", f"data.eval_manifest={corpus['dev']}", "tts.test_manifests=[]",
+            f"trainer.output_dir={tmp_path}/run", "trainer.device=cpu", "data.max_duration=9", "data.num_buckets=2",
+            "logging.progress_bar=false", "scheduler.warmup_steps=0", "optim.lr=3e-3", "checkpoint.every_steps=0"]
+
+
+def test_resume_equals_uninterrupted(corpus, tmp_path):
+    base = ["logging.tensorboard=false", "logging.log_every=1", "trainer.eval_every=0", "tts.num_samples=0",
+            "data.eval_manifest=''", "trainer.max_steps=6", "checkpoint.keep_last=0"]
+    args = lambda out: ["--config", os.path.join(ROOT, "configs", "tts_dialect.yaml"),  # noqa: E731
+                        *recipe_config_args(corpus, tmp_path), *base, f"trainer.output_dir={out}"]
+    ft.main(args(f"{tmp_path}/whole"))
+    ft.main(args(f"{tmp_path}/parts") + ["trainer.max_steps=4", "scheduler.decay_steps=6"])  # stops at step 4 (saved)
+    ft.main(args(f"{tmp_path}/parts") + ["checkpoint.resume=auto", "scheduler.decay_steps=6"])
+    whole = {r["step"]: r["loss"] for r in logged(f"{tmp_path}/whole")}
+    parts = {r["step"]: r["loss"] for r in logged(f"{tmp_path}/parts")}
+    assert [whole[s] for s in (5, 6)] == [parts[s] for s in (5, 6)]  # bitwise: data order, noise, t, CFG drops
+    from safetensors.torch import load_file
+
+    a = load_file(f"{tmp_path}/whole/checkpoints/step_00000006/model.safetensors")
+    c = load_file(f"{tmp_path}/parts/checkpoints/step_00000006/model.safetensors")
+    assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_lora_adapts_the_named_layers_and_recompute_changes_nothing(corpus, tmp_path):
+    lora = recipe_config(corpus, tmp_path, "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
+                         f"lora.targets={json.dumps(ft_lora_targets())}", "trainer.max_steps=1")
+    info = ddptrain.setup_distributed(lora)
+    b, objective, train, _, _ = ft.build(lora, info)
+    trainer = ft.TTSTrainer(b.model, objective, lora, train)
+    trainable = {n for n, p in trainer.module.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    assert len(trainer.adapted) == 4 * (2 + 1 + 2)  # q/k/v/o of 2 base-LM, 1 residual-LM and 2 DiT layers
+    trainer.fit()
+    trainer.close()
+    # recompute of the MiniCPM layers: the same loss and gradients
+    grads = []
+    for on in (False, True):
+        cfg = recipe_config(corpus, tmp_path / str(on), f"recompute.enabled={str(on).lower()}",
+                            "recompute.module_classes=[MiniCPMDecoderLayer]")
+        b, objective, train, _, _ = ft.build(cfg, info)
+        t = ft.TTSTrainer(b.model, objective, cfg, train)
+        assert len(t.recomputed) == (2 + 1 + 1 + 2 if on else 0)
+        batch = next(iter(train))
+        torch.manual_seed(3)
+        loss, _ = objective(t.model, batch)
+        loss.backward()
+        grads.append([p.grad.clone() for p in t.module.parameters()])
+        t.close()
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g0, g1)
+
+
+def ft_lora_targets():
+    return yaml_list(os.path.join(ROOT, "configs", "tts_voxcpm15_lora.yaml"), "lora", "targets")
+
+
+def yaml_list(path, section, key):
+    from omegaconf import OmegaConf
+
+    return list(OmegaConf.load(path)[section][key])
+
+
+def test_loader_refuses_sequences_longer_than_the_model(corpus, tmp_path):
+    cfg = recipe_config(corpus, tmp_path)
+    info = ddptrain.setup_distributed(cfg)
+    b = ft.build_model(cfg, info)
+    ft.prepare_manifest(cfg, corpus["train"], b.vae)
+    utts = prepare_tts.read_cache(corpus["train"], ft.vae_spec(cfg), 2)
+    b.layout.max_length = 40
+    with pytest.raises(DataError, match=r"train.jsonl:\d+ \(id dialect-train-\d+\): \d+ positions"):
+        ft.build_loader(utts, cfg, b.tokenizer, b.layout, True, 1, 0)
+
+
+@pytest.mark.timeout(120)
+def test_bench_dry_run(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_voxcpm.py"), "--dry", "--out", str(out)],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in open(out)]
+    assert {r["peer"] for r in rows} == {"upstream", "ddptrain", "ddptrain_best"}
+    for r in rows:
+        assert "voxcpm" in r["workload"] and r["audio_s_per_s"] > 0 and r["samples_per_s"] > 0
+        assert 0 <= r["padding_fraction"] < 1 and np.isfinite(r["loss"])
