@@ -51,7 +51,7 @@ class TrainerConfig:
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these (SIGTERM, TERM and term all name SIGTERM)
     preempt_exit_code: int = 0  # exit code after a preemption save (0: torchrun does not restart)
-    preflight: str = "off"  # before training, one step on the costliest batch each bucket can hold, so an OOM names its bucket in the first minute (ddptrain/tune.py): worst (the few worst buckets) | all (every bucket) | off
+    preflight: str = "none"  # before training, one step on the costliest batch of the worst few buckets (worst) or of every bucket (all), so an out-of-memory error names its bucket in the first minute (ddptrain/tune.py)
     gc_every_steps: int = 50  # Python GC: collect young objects every N steps on all ranks, full at epoch ends/evals/saves, automatic GC off during fit; 0 = Python's automatic GC
 
 
@@ -192,6 +192,16 @@ def one_of(*choices: str) -> Rule:
     return Rule(" | ".join(choices), check)
 
 
+def switch(off: str, on: str, *others: str) -> Rule:
+    """:func:`one_of` where a YAML boolean (false/off/no, true/on/yes) means ``off`` / ``on``."""
+    words = one_of(off, on, *others)
+    booleans = dict.fromkeys(("false", "off", "no"), off) | dict.fromkeys(("true", "on", "yes"), on)
+
+    def check(v):
+        return words.check(booleans.get(str(v).strip().lower(), v))
+    return Rule(f"{words.text} (false = {off}, true = {on})", check)
+
+
 def at_least(low: float) -> Rule:
     def check(v):
         if not _number(v) >= low:
@@ -280,7 +290,7 @@ RULES: dict[str, Rule] = {
     "trainer.fp16_min_scale": at_least(0),
     "trainer.preempt_signals": SIGNALS,
     "trainer.preempt_exit_code": within(0, 255),
-    "trainer.preflight": one_of("off", "worst", "all"),
+    "trainer.preflight": switch("none", "worst", "all"),
     "trainer.gc_every_steps": Rule(">= 0", lambda v: v),  # checked where it is used: process.StepPacedGC
     "dist.backend": one_of("auto", "nccl", "gloo"),
     "dist.timeout_s": at_least(1),

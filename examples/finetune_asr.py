@@ -86,14 +86,15 @@ class CTCObjective:
                 "cer": metrics.char_errors(batch["texts"], hyps)}
 
 
-def main(argv: list[str]) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (keys: see the README's config reference)")
-    args, overrides = parser.parse_known_args(argv)
-    cfg = ddptrain.load_config(args.config, overrides, schema=ASRConfig)
-    info = ddptrain.setup_distributed(cfg)  # samplers below need the rank and world size
+def build(cfg: ASRConfig) -> tuple:
+    """The recipe's pieces: ``(model, objective, train loader, eval loader or None, tokenizer)``.
 
-    tokenizer = load_or_build_tokenizer(cfg.data) if info.is_main else None
+    Call it after ``ddptrain.setup_distributed(cfg)`` (the samplers read the rank and world size);
+    it sets ``cfg.model.vocab_size`` from the tokenizer. ``python -m ddptrain.tune --recipe
+    examples/finetune_asr.py`` measures per-bucket batch budgets on what it returns.
+    """
+    is_main = ddptrain.dist.get_rank() == 0
+    tokenizer = load_or_build_tokenizer(cfg.data) if is_main else None
     ddptrain.dist.barrier()  # rank 0 may have just built and saved it
     tokenizer = tokenizer or load_or_build_tokenizer(cfg.data)
     cfg.model.vocab_size = tokenizer.vocab_size
@@ -105,11 +106,19 @@ def main(argv: list[str]) -> dict:
     model = ConformerCTC(cfg.model)
     if cfg.model.init_from:
         report = ddptrain.load_weights(model, cfg.model.init_from, strict=cfg.model.init_strict)
-        if info.is_main:
+        if is_main:
             print(f"initialised {report['loaded']} tensors from {cfg.model.init_from}"
                   + (f" (skipped: {report['missing'] + report['mismatched']})" if not cfg.model.init_strict else ""))
+    return model, CTCObjective(tokenizer, train_loader.feature_extractor), train_loader, eval_loader, tokenizer
 
-    objective = CTCObjective(tokenizer, train_loader.feature_extractor)
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (keys: see the README's config reference)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = ddptrain.load_config(args.config, overrides, schema=ASRConfig)
+    info = ddptrain.setup_distributed(cfg)  # samplers below need the rank and world size
+    model, objective, train_loader, eval_loader, tokenizer = build(cfg)
     trainer = ddptrain.Trainer(model, objective, cfg, train_loader, eval_data=eval_loader,
                                metrics_fn=objective.error_counts)
     if info.is_main:

@@ -20,7 +20,7 @@ BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 
 MODULES = ["flops", "measure", "profiling", "workloads", "peers", "run", "gpu_session", "check_flops",
-           "bench_balance", "bench_padding", "bench_dataloading", "calib", "nccl_probe"]
+           "bench_balance", "bench_padding", "bench_dataloading", "bench_tuned", "calib", "nccl_probe"]
 
 
 def rows(path):

@@ -101,6 +101,7 @@ def build_dataloader(
         max_batch_size=cfg.max_batch_size,
         quadratic_duration=cfg.quadratic_duration,
         num_buckets=cfg.num_buckets,
+        bucket_budgets=cfg.bucket_budgets if train else None,  # measured for the training data
         sort_pool=cfg.bucket_sort_pool,
         sync_buckets=cfg.sync_buckets,
         shuffle=cfg.shuffle and train,

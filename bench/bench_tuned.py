@@ -1,0 +1,269 @@
+"""Per-bucket budgets measured on the GPU against the best single ``max_duration`` (issue 21).
+
+STATUS: written, not yet run on a GPU. The device time of the session that wrote it went to
+other work; only the CPU dry run (``--dry``, run by tests/test_tune.py) has run. Its rows, once
+measured, go to ``bench/results/h200x1_<date>_tuned.jsonl``.
+
+Per workload, on one GPU, on the synthetic corpora of the other benchmarks (nothing downloaded):
+
+* ``wav2vec2``: Wav2Vec2ForCTC, wav2vec2-large-lv60 layout (315M), raw audio, lognormal
+  durations (median 7 s, 1-20 s), bf16 autocast (bench/workloads.py).
+* ``conformer``: the examples' Conformer-CTC at bench size (110M, 80-bin fbank), bf16 autocast.
+* ``glmasr``: GLM-ASR-Nano-2512 random-initialised (2.1B), configs/glmasr.yaml's set-up (bf16
+  weights + fp32 masters, encoder/decoder layers compiled), 30 s windows, buckets on windows and
+  decoder length; ``data.max_batch_size`` lifted so neither variant is capped at 16.
+
+Steps, all under one memory target (``--memory-gb``, default 90% of the GPU):
+
+1. ``tuned``: ``ddptrain.tune.find_bucket_budgets`` (tolerance 0: each bucket's exact largest
+   batch), its wall time (``tuning_s``) and the budget file.
+2. ``hand``: the best single ``data.max_duration`` a person could find by trial and error, i.e.
+   the largest one under which every bucket's costliest batch fits. It follows from step 1's
+   per-bucket maxima without another measurement: bucket ``b`` takes ``floor(M / cost_b)`` rows,
+   which fits while that is ``<= B_b``, so ``M* = min over b of (B_b + 1) * cost_b`` (minus a
+   hair; buckets the search capped do not bind).
+3. Each variant trains one full epoch plan with ddptrain.Trainer on a fresh model (no OOM
+   allowed; an OOM is an error row): samples/s and audio-seconds/s after ``--warmup`` steps,
+   the epoch's wall time, steps, padding, mean batch size and peak memory.
+
+Rows: ``workload``, ``variant`` (hand | tuned), ``tuned`` and ``per_bucket`` (True for the
+per-bucket budgets), ``budget`` (M* for hand), the throughput figures, ``tuning_s``,
+``memory_target_gb``, versions, GPU and date.
+
+    python bench/bench_tuned.py --workloads wav2vec2,conformer,glmasr --out bench/results/h200x1_DATE_tuned.jsonl
+    python bench/bench_tuned.py --dry --out /tmp/tuned.jsonl      # CPU: tiny models, a stand-in meter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [p for p in (HERE, os.path.join(HERE, "..", "examples")) if p not in sys.path]
+
+import finetune_hf_model as fhm  # noqa: E402
+import workloads  # noqa: E402
+
+import ddptrain  # noqa: E402
+from ddptrain import tune  # noqa: E402
+from ddptrain.data import DurationBucketSampler, SpeechCollator  # noqa: E402
+from ddptrain.data.sampler import padded_cost  # noqa: E402
+
+WORKLOADS = ("wav2vec2", "conformer", "glmasr")
+GB = 1e9
+
+
+class ModuleInputMeter:
+    """CPU stand-in for the GPU's memory in ``--dry`` runs: a step "peaks" at ``base + bytes x``
+    the largest tensor any module received, and past ``capacity`` raises an OOM, as a GPU would."""
+
+    def __init__(self, capacity_gb: float, base_gb: float = 0.01, bytes_per_element: float = 4.0):
+        self.cap, self.base, self.per, self.largest = capacity_gb * GB, base_gb * GB, bytes_per_element, 0
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.largest = max([self.largest] + [a.numel() for a in args if isinstance(a, torch.Tensor)])
+        if self.peak() > self.cap:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (stand-in meter: {self.peak() / GB:.3f} GB)")
+
+    def reset(self):
+        self.largest = 0
+
+    def peak(self) -> float:
+        return self.base + self.per * self.largest
+
+    def current(self) -> float:
+        return self.base
+
+    def capacity(self) -> float:
+        return self.cap
+
+    def name(self) -> str:
+        return "cpu stand-in"
+
+    def close(self):
+        self.handle.remove()
+
+
+# ------------------------------------------------------------------------------------ workloads
+
+
+def config(args, workload: str, folder: str):
+    common = [f"trainer.output_dir={folder}", "trainer.max_epochs=1", "trainer.max_steps=0", "logging.tensorboard=false",
+              "logging.progress_bar=false", "logging.log_every=1000", "checkpoint.save_at_end=false",
+              "checkpoint.keep_best=0", "scheduler.name=constant", f"data.num_workers={0 if args.dry else 6}",
+              "data.max_batch_size=0", f"data.num_buckets={args.buckets}", "data.max_duration=600"]
+    if workload == "glmasr":
+        import finetune_glmasr as fg
+
+        extra = ["compile.enabled=false", "trainer.param_dtype=fp32", "trainer.precision=fp32"] if args.dry else []
+        return ddptrain.load_config(os.path.join(HERE, "..", "configs", "glmasr.yaml"), [
+            *common, "data.max_duration=480", f"glmasr.preset={'tiny' if args.dry else 'published'}",
+            f"glmasr.synthetic_utterances={args.utterances}", *extra], schema=fg.RecipeConfig)
+    return ddptrain.load_config(None, [*common, f"trainer.precision={'fp32' if args.dry else 'bf16'}",
+                                       "optim.lr=1e-5", "trainer.clip_grad_norm=1.0"])
+
+
+def build(args, workload: str, cfg):
+    """A fresh ``(model, loss_fn, loader)``; every batch carries host ``stats`` (n, audio_s)."""
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() and not args.dry else torch.device("cpu")
+    preset = "tiny" if args.dry else "large"
+    data = cfg.data
+    if workload == "glmasr":
+        import bench_glmasr as bg
+        import finetune_glmasr as fg
+        from models.glmasr import GlmAsrForTraining, load_hf_model
+
+        torch.manual_seed(0)
+        with torch.device(dev):
+            hf = load_hf_model("", cfg.glmasr.preset, cfg.glmasr.attn_implementation,
+                               bg.tiny_tokens() if args.dry else None)
+        layout, flops = fg.synthetic_layout(hf.config), bg.GlmAsrFlops(hf)
+        loader = fg.build_synthetic_loader(cfg, layout, hf.config.text_config.vocab_size, 1, 0,
+                                           hf.config.text_config.max_position_embeddings,
+                                           collate_wrapper=lambda c: bg.StatsCollate(c, flops, hf=False))
+        return GlmAsrForTraining(hf, cfg.glmasr.freeze_encoder), fg.GlmAsrObjective(layout, None, loader.feature_extractor), loader
+    model, loss, flops = workloads.build(workload, preset, {}, dev)
+    h = workloads.hf_cfg(workload, preset, {})
+    h.synthetic_utterances = args.utterances
+    wrap = lambda c: workloads.StatsCollate(c, workload, flops)  # noqa: E731
+    if workload == "wav2vec2":
+        return model, loss, fhm.build_synthetic_loader(h, data, 1, 0, model.config, collate_wrapper=wrap)
+    durations = fhm.synthetic_durations(h, data.seed)
+    sampler = DurationBucketSampler(durations, max_duration=data.max_duration, num_buckets=data.num_buckets,
+                                    sort_pool=data.bucket_sort_pool, seed=data.seed, world_size=1, rank=0)
+    collate = wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1))
+    return model, loss, torch.utils.data.DataLoader(workloads.SyntheticFbank(durations, vocab=model.cfg.vocab_size),
+                                                    batch_sampler=sampler, collate_fn=collate,
+                                                    num_workers=data.num_workers, pin_memory=dev.type == "cuda")
+
+
+def with_sampler(loader, **changes):
+    """The same loader over a DurationBucketSampler with the same settings except ``changes``."""
+    s = loader.batch_sampler
+    kw = dict(max_duration=s.max_duration, max_batch_size=s.max_batch_size, quadratic_duration=s.quadratic_duration,
+              num_buckets=s.num_buckets, tokens=s.tokens, max_tokens=s.max_tokens, sort_pool=s.sort_pool,
+              sync_buckets=s.sync_buckets, shuffle=s.shuffle, tail=s.tail, seed=s.seed, world_size=1, rank=0)
+    new = torch.utils.data.DataLoader(loader.dataset, batch_sampler=DurationBucketSampler(s.durations, **{**kw, **changes}),
+                                      collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                                      pin_memory=loader.pin_memory)
+    new.feature_extractor = getattr(loader, "feature_extractor", None)
+    return new
+
+
+def best_single_budget(doc: dict, sampler) -> float:
+    """The largest single max_duration under which no bucket of ``sampler`` exceeds its measured
+    maximum (from the sampler's exact lengths: the file rounds them)."""
+    q = sampler.quadratic_duration
+    bound = [(b["batch_size"] + 1) * float(padded_cost(hi, q))
+             for b, (_, hi) in zip(doc["buckets"], sampler.bucket_edges) if not b["capped"]]
+    return math.nextafter(min(bound), 0.0) if bound else max(b["padded_s"] for b in doc["buckets"])
+
+
+def train_epoch(model, loss, cfg, loader, warmup: int) -> dict:
+    """One epoch plan; throughput after ``warmup`` steps (host clock at each loss call)."""
+    calls = []
+
+    def timed(m, batch):
+        calls.append((time.perf_counter(), batch.pop("stats")))
+        return loss(m, batch)
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with ddptrain.Trainer(model, timed, cfg, loader) as trainer:
+        trainer.fit()
+        stats = loader.batch_sampler.epoch_stats()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    timed_calls = calls[min(warmup, len(calls) - 1):]
+    elapsed = end - timed_calls[0][0]
+    n = sum(s["n"] for _, s in timed_calls)
+    audio = sum(s["audio_s"] for _, s in timed_calls)
+    return {"steps": len(calls), "epoch_s": round(end - start, 2), "samples_per_s": n / elapsed,
+            "audio_s_per_s": audio / elapsed, "padding_frac": stats["padding_fraction"],
+            "batch_size_mean": stats["batch_size_mean"], "budget_fill": stats["budget_fill"],
+            "peak_alloc_gb": torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None}
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def run_workload(args, workload: str, folder: str) -> list[dict]:
+    meter = ModuleInputMeter(args.memory_gb * 1.25) if args.dry else None
+    try:
+        cfg = config(args, workload, os.path.join(folder, "tune"))
+        model, loss, loader = build(args, workload, cfg)
+        budgets = os.path.join(folder, f"{workload}_budgets.json")
+        doc = tune.find_bucket_budgets(model, loss, cfg, loader, args.memory_gb, out=budgets, tolerance=0.0,
+                                       meter=meter, say=lambda line: print(workload, line, flush=True))
+        del model
+        hand = best_single_budget(doc, loader.batch_sampler)
+        rows = []
+        for variant, change in (("hand", {"max_duration": hand}), ("tuned", {"bucket_budgets": budgets})):
+            cfg = config(args, workload, os.path.join(folder, variant))
+            model, loss, loader = build(args, workload, cfg)
+            row = {"workload": workload, "variant": variant, "tuned": variant == "tuned",
+                   "per_bucket": variant == "tuned", "budget": hand if variant == "hand" else None,
+                   "memory_target_gb": doc["memory_target_gb"], "tuning_s": doc["tuning_s"],
+                   "bucket_batch_sizes": [b["batch_size"] for b in doc["buckets"]]}
+            try:
+                loader = with_sampler(loader, **change)
+                row["plan_batch_sizes"] = loader.batch_sampler.bucket_batch_sizes
+                row.update(train_epoch(model, loss, cfg, loader, args.warmup))
+            except Exception as e:  # an OOM (or anything) is a result row, not a lost session
+                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            del model
+            rows.append(row)
+        return rows
+    finally:
+        if meter is not None:
+            meter.close()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--out", required=True, help="JSONL file the rows are appended to")
+    parser.add_argument("--memory-gb", type=float, default=None, help="per-step peak target (default 90%% of the GPU)")
+    parser.add_argument("--utterances", type=int, default=None, help="corpus size (default 8000; dry: 32)")
+    parser.add_argument("--buckets", type=int, default=None, help="data.num_buckets (default 30; dry: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 10; dry: 1)")
+    parser.add_argument("--dry", action="store_true", help="CPU: tiny models, a small corpus, a stand-in meter")
+    args = parser.parse_args(argv)
+    for key, real, dry in (("utterances", 8000, 32), ("buckets", 30, 3), ("warmup", 10, 1)):
+        if getattr(args, key) is None:
+            setattr(args, key, dry if args.dry else real)
+    if args.memory_gb is None:
+        args.memory_gb = 0.04 if args.dry else round(0.9 * torch.cuda.get_device_properties(0).total_memory / GB, 1)
+    from run import versions
+
+    failed = 0
+    with tempfile.TemporaryDirectory() as folder:
+        for workload in args.workloads.split(","):
+            if workload not in WORKLOADS:
+                raise SystemExit(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
+            try:
+                rows = run_workload(args, workload, os.path.join(folder, workload))
+            except Exception as e:  # noqa: BLE001 - recorded, and the exit status says so
+                rows = [{"workload": workload, "error": f"{type(e).__name__}: {str(e)[:500]}"}]
+            with open(args.out, "a") as f:
+                for row in rows:
+                    row.update(versions(), dry=args.dry, utterances=args.utterances, buckets=args.buckets)
+                    failed += "error" in row
+                    f.write(json.dumps(row) + "\n")
+                    print("RESULT", json.dumps({k: v for k, v in row.items() if not k.endswith("batch_sizes")}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

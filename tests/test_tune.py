@@ -1,0 +1,365 @@
+"""ddptrain.tune on CPU: the budget search against fake memory models, the whole tuner through a
+real Trainer step on a fake device (memory grows with the largest tensor a module sees, past
+its capacity it raises torch.cuda.OutOfMemoryError), the command line on the ASR recipe followed
+by training with the file, and the Trainer's pre-flight check (names the bucket, changes nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ddptrain
+from ddptrain import tune
+from ddptrain.data import DurationBucketSampler, SpeechCollator
+from ddptrain.tune import Bucket, PreflightError, TuneError, search_batch_sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F, H = 4, 8  # feature bins of the synthetic corpus; the model's width (its largest activation: B x T x H)
+DURS = np.round(np.random.default_rng(0).uniform(0.5, 4.0, 240), 2)
+
+
+# ----------------------------------------------------------------------------- the search alone
+
+
+def linear_memory(base, per_second, capacity, target):
+    """try_batch of a GPU whose step peaks at base + B * per_second * longest**1.5 (None past capacity)."""
+    calls = []
+
+    def try_batch(b: Bucket, size: int):
+        calls.append((b.index, size))
+        peak = base + size * per_second * b.longest ** 1.5
+        return None if peak > capacity else peak
+
+    def exact(b: Bucket) -> int:
+        return min(b.cap, int((target - base) // (per_second * b.longest ** 1.5)))
+
+    return try_batch, exact, calls
+
+
+def buckets(n=8, cap=500):
+    return [Bucket(k, 2.0 * k, 2.0 * k + 2, None, cap) for k in range(n)][::-1]  # longest first
+
+
+@pytest.mark.parametrize("capacity", [80e9, 95e9])  # a target below the GPU and one just under it
+def test_search_finds_the_exact_largest_size_per_bucket_in_few_tries(capacity):
+    try_batch, exact, calls = linear_memory(10e9, 0.05e9, capacity, target=72e9)
+    found = search_batch_sizes(buckets(), try_batch, 72e9, base_bytes=10e9, tolerance=0)
+    assert [r["batch_size"] for r in found] == [exact(b) for b in buckets()]
+    assert all(r["peak_gb"] <= 72 for r in found)
+    assert len(calls) <= 4 * len(found), f"{len(calls)} tries for {len(found)} buckets"
+    again = search_batch_sizes(buckets(), linear_memory(10e9, 0.05e9, capacity, 72e9)[0], 72e9, 10e9, tolerance=0)
+    assert again == found  # deterministic
+
+
+def test_search_without_a_base_and_with_superlinear_memory_still_bisects_to_the_exact_size():
+    def try_batch(b, size):  # attention-like: memory grows with size**1.3, so extrapolation overshoots
+        peak = 2e9 + 0.3e9 * size ** 1.3 * b.longest
+        return None if peak > 60e9 else peak
+
+    found = search_batch_sizes(buckets(5), try_batch, 50e9, base_bytes=0, tolerance=0)
+    for r, b in zip(found, buckets(5)):
+        n = r["batch_size"]
+        assert try_batch(b, n) <= 50e9 and (try_batch(b, n + 1) or 1e99) > 50e9
+
+
+def test_tolerance_stops_early_below_the_exact_size_and_caps_are_kept():
+    try_batch, exact, _ = linear_memory(0, 0.001e9, 1e12, target=80e9)
+    bs = buckets(4, cap=10_000)
+    loose = search_batch_sizes(bs, try_batch, 80e9, tolerance=0.1)
+    for r, b in zip(loose, bs):
+        assert 0.9 * exact(b) <= r["batch_size"] <= exact(b)
+    capped = search_batch_sizes(buckets(4, cap=50), try_batch, 80e9, tolerance=0)
+    assert all(r["batch_size"] == 50 and r["capped"] for r in capped)
+
+
+def test_a_bucket_where_one_utterance_does_not_fit_is_an_error_naming_it():
+    try_batch, _, _ = linear_memory(10e9, 30e9, 100e9, target=80e9)  # longest 16 s: 1 row = 1.9 TB
+    with pytest.raises(TuneError, match=r"bucket 7 \(utterances 14.00-16.00 s.*runs out of memory"):
+        search_batch_sizes(buckets(), try_batch, 80e9, 10e9)
+
+
+def test_out_of_memory_is_recognised_when_wrapped():
+    inner = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    try:
+        try:
+            raise inner
+        except Exception as e:
+            raise RuntimeError("rank 0, step 1, micro-batch 0: OutOfMemoryError") from e
+    except RuntimeError as wrapped:
+        assert tune.is_oom(wrapped)
+    assert not tune.is_oom(ValueError("shape mismatch"))
+
+
+# ----------------------------------------------------------------------------- a fake device
+
+
+class FakeDevice:
+    """A GPU whose step peaks at ``base + per_element * (largest module input, elements) ** power``
+    bytes and raises torch.cuda.OutOfMemoryError past ``capacity``; the meter the tuner reads."""
+
+    def __init__(self, base=1e6, per_element=1.0, capacity=80e3 + 1e6, power=1.0):
+        self.base, self.per, self.cap, self.power, self.largest = base, per_element, capacity, power, 0
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        n = max((a.numel() for a in args if isinstance(a, torch.Tensor)), default=0)
+        self.largest = max(self.largest, n)
+        if self.peak() > self.cap:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (fake device, {self.peak():.0f} bytes)")
+
+    def reset(self):
+        self.largest = 0
+
+    def peak(self, largest=None):
+        return self.base + self.per * (self.largest if largest is None else largest) ** self.power
+
+    def current(self):
+        return self.base
+
+    def capacity(self):
+        return self.cap
+
+    def name(self):
+        return "fake"
+
+    def close(self):
+        self.handle.remove()
+
+
+class Frames(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(DURS)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(int(i))
+        return {"id": str(i), "text": "x", "features": torch.randn(int(round(DURS[i] * 100)), F, generator=g)}
+
+
+def loader(**kw):
+    sampler = DurationBucketSampler(DURS, **{"max_duration": 20.0, "num_buckets": 6, "seed": 1, **kw})
+    return torch.utils.data.DataLoader(Frames(), batch_sampler=sampler,
+                                       collate_fn=SpeechCollator("features", num_mel_bins=F, pad_to_multiple=1,
+                                                                 with_tokens=False))
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.drop, self.out = nn.Linear(F, H), nn.BatchNorm1d(H), nn.Dropout(0.2), nn.Linear(H, 1)
+
+    def forward(self, x):
+        h = self.norm(self.proj(x).transpose(1, 2)).transpose(1, 2)
+        return self.out(self.drop(h)).squeeze(-1)
+
+
+def frame_loss(model, batch):
+    mask = torch.arange(batch["features"].shape[1])[None] < batch["feature_lens"][:, None]
+    return ((model(batch["features"]) - 1.0) ** 2 * mask).sum(), mask.sum()
+
+
+def config(tmp_path, *extra):
+    return ddptrain.load_config(None, [f"trainer.output_dir={tmp_path}/run", "trainer.device=cpu",
+                                       "logging.progress_bar=false", "logging.tensorboard=false",
+                                       "data.num_buckets=6", *extra])
+
+
+@pytest.mark.parametrize("power, per_element", [(1.0, 1.0), (1.5, 0.2)])  # linear, and superlinear: some tries OOM
+def test_find_bucket_budgets_runs_real_steps_and_writes_what_the_sampler_reads(tmp_path, power, per_element):
+    torch.manual_seed(0)
+    model = Tiny()
+    before = [p.detach().clone() for p in model.parameters()]
+    data = loader()
+    out = tmp_path / "budgets.json"
+    device = FakeDevice(per_element=per_element, power=power)
+    target = device.base + 60e3  # under the fake capacity
+    try:
+        doc = tune.find_bucket_budgets(model, frame_loss, config(tmp_path), data, target / 1e9, out=str(out),
+                                       tolerance=0, meter=device, say=lambda line: None)
+    finally:
+        device.close()
+    s = data.batch_sampler
+    frames = [int(round(hi * 100)) for _, hi in s.bucket_edges]
+    expect = [max(b for b in range(1, n + 1) if device.peak(b * t * H) <= target)  # the widest activation: B*T*H
+              for t, n in zip(frames, s.bucket_utterances)]
+    assert [b["batch_size"] for b in doc["buckets"]] == expect
+    tries = [t[1] for b in doc["buckets"] for t in b["tries"]]
+    assert "over" in tries and ("oom" in tries) == (power > 1), tries
+    assert doc["settings"]["trainer.precision"] == "fp32" and doc["device"] == "fake"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "tuning moved the weights"
+    tuned = DurationBucketSampler(DURS, max_duration=20.0, num_buckets=6, seed=1, bucket_budgets=str(out))
+    assert tuned.bucket_batch_sizes == expect != s.bucket_batch_sizes
+    # the tuned plan trains a whole epoch on the fake device without an OOM
+    loaded = loader(bucket_budgets=str(out))
+    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.max_epochs=1",
+                                                     f"data.bucket_budgets={out}"), loaded) as trainer:
+        trainer.fit()
+        assert trainer.step == len(loaded)
+
+
+def test_the_tuner_needs_a_bucket_sampler_and_one_process(tmp_path):
+    plain = torch.utils.data.DataLoader(Frames(), batch_size=4)
+    with pytest.raises(ddptrain.ConfigError, match="DurationBucketSampler"):
+        tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), plain, 1.0, meter=object())
+    with pytest.raises(ddptrain.ConfigError, match="CUDA device"):
+        tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), loader(), 1.0)
+
+
+@pytest.mark.timeout(120)
+def test_command_line_on_the_asr_recipe_then_training_with_the_file(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import finetune_asr
+
+    src = os.path.join(ROOT, "examples", "data", "digits", "base")
+    manifest = tmp_path / "train.jsonl"
+    with open(os.path.join(src, "train.jsonl")) as f, open(manifest, "w") as o:
+        for line, _ in zip(f, range(24)):
+            item = json.loads(line)
+            item["audio_filepath"] = os.path.join(src, item["audio_filepath"])
+            o.write(json.dumps(item) + "\n")
+    args = [f"data.train_manifest={manifest}", 'data.eval_manifest=""', "demo.test_manifests=[]",
+            f"data.tokenizer={tmp_path}/tok.json", "data.num_workers=0", "data.num_buckets=2",
+            "data.spec_augment=false", "checkpoint.keep_best=0", "logging.progress_bar=false",
+            "model.d_model=32", "model.num_heads=2", "model.ffn_dim=64", "model.num_layers=1", "trainer.device=cpu"]
+    fake = FakeDevice(base=1e6, per_element=1.0, capacity=1e6 + 3e6)
+    monkeypatch.setattr(tune, "default_meter", lambda dev: fake)
+    out = tmp_path / "budgets.json"
+    try:
+        rc = tune.main(["--recipe", os.path.join(ROOT, "examples", "finetune_asr.py"), "--config",
+                        os.path.join(ROOT, "configs", "asr_demo.yaml"), "--out", str(out), "--memory-gb", "0.0025",
+                        "--tolerance", "0", f"trainer.output_dir={tmp_path}/tune", *args])
+        printed = capsys.readouterr().out
+        assert rc == 0 and f"data.bucket_budgets={out}" in printed
+        doc = json.load(open(out))
+        for b in doc["buckets"]:  # the size chosen fits, one more does not (or the bucket is used up)
+            assert b["peak_gb"] <= 0.0025
+            assert b["capped"] or any(t[0] == b["batch_size"] + 1 and t[1] in ("oom", "over") for t in b["tries"])
+        finetune_asr.main(["--config", os.path.join(ROOT, "configs", "asr_demo.yaml"), f"data.bucket_budgets={out}",
+                           "trainer.max_steps=3", "trainer.preflight=all", f"trainer.output_dir={tmp_path}/train",
+                           *args])
+    finally:
+        fake.close()
+    err = capsys.readouterr().err
+    assert err.count("pre-flight: bucket") == 2, err[-2000:]
+
+
+def test_a_recipe_without_build_or_schema_is_refused(tmp_path):
+    bad = tmp_path / "recipe_without_build.py"
+    bad.write_text("import ddptrain\n")
+    with pytest.raises(ddptrain.ConfigError, match="no build"):
+        tune.load_recipe(str(bad))
+    bad = tmp_path / "recipe_without_schema.py"
+    bad.write_text("def build(cfg):\n    pass\n")
+    with pytest.raises(ddptrain.ConfigError, match="exactly one ddptrain.Config subclass"):
+        tune.load_recipe(str(bad))
+
+
+# ----------------------------------------------------------------------------- pre-flight
+
+
+def oom_above(rows_times_frames):
+    """A loss_fn that runs out of (fake) memory for batches of more than this many padded frames."""
+    def loss(model, batch):
+        b, t = batch["features"].shape[:2]
+        if b * t > rows_times_frames:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b * t} frames")
+        return frame_loss(model, batch)
+    return loss
+
+
+def test_preflight_names_the_bucket_that_runs_out_of_memory(tmp_path):
+    data = loader()
+    s = data.batch_sampler
+    padded = [b * int(round(hi * 100)) for b, (_, hi) in zip(s.bucket_batch_sizes, s.bucket_edges)]
+    worst = int(np.argmax(padded))
+    with ddptrain.Trainer(Tiny(), oom_above(max(padded) - 1), config(tmp_path, "trainer.preflight=worst",
+                                                                      "trainer.max_steps=2"), data) as trainer:
+        with pytest.raises(PreflightError) as e:
+            trainer.fit()
+        assert trainer.step == 0, "training started before the check"
+    lo, hi = s.bucket_edges[worst]
+    msg = str(e.value)
+    assert f"bucket {worst} (utterances {lo:.2f}-{hi:.2f} s; batch of {s.bucket_batch_sizes[worst]}" in msg
+    assert "out of memory" in msg and "python -m ddptrain.tune" in msg
+    # every bucket fits: training goes on
+    with ddptrain.Trainer(Tiny(), oom_above(max(padded)), config(tmp_path, "trainer.preflight=all",
+                                                                 "trainer.max_steps=2", "checkpoint.start_over=true"),
+                          loader()) as trainer:
+        trainer.fit()
+        assert trainer.step == 2
+
+
+def train(tmp_path, name, preflight, steps=6):
+    torch.manual_seed(3)
+    cfg = config(tmp_path / name, f"trainer.preflight={preflight}", f"trainer.max_steps={steps}",
+                 "logging.log_every=1", "optim.lr=0.05")
+    with ddptrain.Trainer(Tiny(), frame_loss, cfg, loader()) as trainer:
+        trainer.fit()
+        weights = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    losses = [json.loads(line)["loss"] for line in open(tmp_path / name / "run" / "metrics.jsonl")
+              if json.loads(line)["split"] == "train"]
+    return losses, weights
+
+
+def test_preflight_leaves_training_exactly_as_without_it(tmp_path):
+    """Dropout, BatchNorm statistics and AdamW: the run with the check equals the run without."""
+    plain_losses, plain_weights = train(tmp_path, "plain", "off")
+    checked_losses, checked_weights = train(tmp_path, "checked", "all")
+    assert checked_losses == plain_losses
+    assert all(torch.equal(plain_weights[k], checked_weights[k]) for k in plain_weights)
+
+
+def test_preflight_of_a_resumed_optimizer_leaves_its_state_alone(tmp_path):
+    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.max_steps=3"), loader()) as trainer:
+        trainer.fit()
+        state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
+        params = [p.detach().clone() for p in trainer.module.parameters()]
+        tune.preflight(trainer, "all")
+        for p, s in trainer.optimizer.state.items():
+            assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
+        assert all(torch.equal(a, b) for a, b in zip(params, trainer.module.parameters()))
+
+
+def test_budget_files_the_run_does_not_use_or_was_not_measured_for_are_refused(tmp_path):
+    s = loader().batch_sampler
+    path = tmp_path / "b.json"
+    settings = tune.memory_settings(config(tmp_path, "trainer.precision=bf16"), Tiny())
+    from ddptrain.data.sampler import write_bucket_budgets
+
+    write_bucket_budgets(path, s, [3] * len(s.bucket_edges), settings=settings)
+    # the config names the file, the loader's sampler was built without it (a recipe's own sampler)
+    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, f"data.bucket_budgets={path}"), loader()) as t:
+        with pytest.raises(ddptrain.ConfigError, match="must pass bucket_budgets"):
+            t.fit()
+    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, f"data.bucket_budgets={path}",
+                                                     "checkpoint.start_over=true"),
+                          loader(bucket_budgets=str(path))) as t:
+        with pytest.raises(ddptrain.ConfigError, match="trainer.precision: measured 'bf16', now 'fp32'"):
+            t.fit()
+    plain = torch.utils.data.DataLoader(Frames(), batch_size=4, collate_fn=loader().collate_fn)
+    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.preflight=worst",
+                                                     "checkpoint.start_over=true"), plain) as t:
+        with pytest.raises(ddptrain.ConfigError, match="trainer.preflight=worst: needs a DurationBucketSampler"):
+            t.fit()
+
+
+@pytest.mark.timeout(180)
+def test_the_gpu_measurement_plan_dry_runs_on_cpu(tmp_path):
+    """bench/bench_tuned.py (unrun on a GPU so far): its CPU dry run writes a hand and a tuned row."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_tuned
+
+    out = tmp_path / "tuned.jsonl"
+    assert bench_tuned.main(["--dry", "--workloads", "conformer", "--out", str(out)]) == 0
+    hand, tuned = [json.loads(line) for line in open(out)]
+    assert (hand["variant"], hand["tuned"], hand["per_bucket"]) == ("hand", False, False)
+    assert (tuned["variant"], tuned["tuned"], tuned["per_bucket"]) == ("tuned", True, True)
+    assert tuned["plan_batch_sizes"] == tuned["bucket_batch_sizes"]
+    assert all(h <= t for h, t in zip(hand["plan_batch_sizes"], tuned["bucket_batch_sizes"]))
+    assert hand["steps"] > 0 and tuned["samples_per_s"] > 0 and hand["budget"] > 0
