@@ -1,0 +1,359 @@
+"""VoxCPM-1.5 TTS training throughput on one GPU: upstream's training step vs ddptrain, side by side.
+
+Workload ``voxcpm15_tts``: upstream's ``VoxCPMModel`` random-initialised in VoxCPM-1.5's layout
+(examples/models/voxcpm_tts.py, preset ``voxcpm1.5``: ~0.8B parameters without the VAE, a 44.1
+kHz VAE, patch 4) on synthetic speech: lognormal durations (median 5 s, sigma 0.5, clipped
+1-15 s), random 44.1 kHz audio, ~3.5 text tokens per second of audio (random ids). Nothing is
+downloaded. Each peer runs in its own subprocess (bounded by ``--timeout``), so memory peaks and
+compile caches do not leak between them.
+
+* ``upstream``: scripts/train_voxcpm_finetune.py's step as it runs it, reproduced because its
+  data stack (HF ``datasets`` + argbind) is not installed: a DataLoader of 16 random utterances
+  (``batch_size: 16``, 2 workers, its collate: audio and text padded with -100), upstream's own
+  ``AudioFeatureProcessingPacker`` encoding every utterance through the VAE on the GPU in every
+  step, the forward under bf16 autocast with ``progress``, ``loss/diff + loss/stop`` (lambdas 1),
+  GradScaler (its Accelerator has one), ``clip_grad_norm_(1e9)`` (max_grad_norm 0), AdamW
+  lr 1e-5 / wd 0.01, cosine schedule with warmup, ``.item()`` of the losses every 10 steps.
+* ``ddptrain``: examples/finetune_tts.py's data path and objective under ddptrain.Trainer: latents
+  encoded once beforehand (that time is in the row as ``prepare_s``), batches of
+  ``data.max_duration`` padded latent seconds from ``DurationBucketSampler``, bf16 autocast,
+  fp32 weights, eager.
+* ``ddptrain_best``: + bf16 weights with fp32 masters (``trainer.param_dtype=bf16``) and the
+  MiniCPM layers compiled (regional, dynamic shapes). More variants: ``--ov NAME=k=v,k=v``.
+
+Timing: ``--warmup`` steps, then ``--steps`` timed steps, host clock around a device sync.
+audio-s/s counts the real (unpadded) seconds of the utterances trained on. Padding: the share
+of LM positions (B x S) that are padding. MFU = FLOPs of the padded batches / (time x 989.4e12,
+the dense bf16 peak of one H100/H200 SXM); per batch of B rows of S positions, patch P: base and
+residual LM ``6 * P_layers * B*S + 6 * n * d * B * S^2`` (causal), local encoder on B*S rows of
+P+1 tokens and local DiT on B*S rows of 2P+1 tokens ``6 * P_layers * rows * L + 12 * n * d * rows
+* L^2``, the other weights ``6 * P * B*S``; the VAE (upstream runs its encoder in every step) is
+not counted.
+
+    python bench/bench_voxcpm.py --out bench/results/h200x1_DATE_voxcpm.jsonl
+    python bench/bench_voxcpm.py --dry --out /tmp/rows.jsonl     # CPU: tiny preset, a few steps
+    python bench/bench_voxcpm.py --dry --inline --out /tmp/rows.jsonl   # ... all peers in one process
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+PEAK_BF16 = 989.4e12
+OVERRIDES = {
+    "ddptrain": [],
+    "ddptrain_bf16": ["trainer.param_dtype=bf16"],
+    "ddptrain_best": ["trainer.param_dtype=bf16", "compile.enabled=true", "compile.dynamic=true",
+                      "compile.module_classes=[MiniCPMDecoderLayer]"],
+}
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------ model, data, FLOPs
+
+
+def make_model(args):
+    """(model without VAE, VAE, layout): random init, built on the device."""
+    from models import voxcpm_tts as vt
+
+    preset = "tiny" if args.dry else "voxcpm1.5"
+    dtype = "float32" if args.dry else "bfloat16"
+    layout = vt.preset_config(preset, 512 if args.dry else 0, dtype)
+    dev = device()
+    with torch.device(dev):
+        torch.manual_seed(1)
+        vae = vt.vae_from_config(layout.audio_vae_config).float().eval().requires_grad_(False)
+        torch.manual_seed(0)
+        model = vt.build_model(layout, vt.char_tokenizer(), vae, str(dev))
+    return model, vae, layout
+
+
+def corpus(args, vocab: int):
+    """(durations s, text ids per utterance), deterministic."""
+    rng = np.random.default_rng(0)
+    d = np.clip(rng.lognormal(math.log(5.0), 0.5, args.utterances), 1.0, 15.0).round(3)
+    ids = [rng.integers(200, vocab, max(2, int(round(x * 3.5 * rng.uniform(0.8, 1.2))))).tolist() for x in d]
+    return d, ids
+
+
+class SyntheticAudio(torch.utils.data.Dataset):
+    """Upstream's sample dict (text_ids, audio_array) with random audio, deterministic per index."""
+
+    def __init__(self, durations, ids, sample_rate):
+        self.d, self.ids, self.sr = durations, ids, sample_rate
+
+    def __len__(self):
+        return len(self.d)
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(int(i))
+        return {"text_ids": self.ids[i], "audio_array": (0.1 * torch.randn(int(self.d[i] * self.sr), generator=g)).numpy(),
+                "dataset_id": 0, "is_prompt": False, "index": int(i)}
+
+
+def upstream_collate(batch):
+    """voxcpm.training.data.HFVoxCPMDataset.collate_fn (audio and text padded with -100)."""
+    pad = lambda seqs, v: torch.stack([torch.nn.functional.pad(s, (0, max(len(x) for x in seqs) - len(s)), value=v)  # noqa: E731
+                                       for s in seqs])
+    text = pad([torch.tensor(s["text_ids"], dtype=torch.int32) for s in batch], -100)
+    audio = pad([torch.tensor(s["audio_array"], dtype=torch.float32) for s in batch], -100.0)
+    return {"text_tokens": text, "audio_tokens": audio, "task_ids": torch.ones(len(batch), dtype=torch.int32),
+            "dataset_ids": torch.zeros(len(batch), dtype=torch.int32), "is_prompts": [False] * len(batch),
+            "index": [s["index"] for s in batch]}
+
+
+class Flops:
+    def __init__(self, model, layout):
+        c = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        lm, res = model.base_lm, model.residual_lm
+        enc, dit = model.feat_encoder.encoder, model.feat_decoder.estimator.decoder
+        self.parts = [(c(lm.layers), len(lm.layers), lm.config.hidden_size, None),
+                      (c(res.layers), len(res.layers), res.config.hidden_size, None),
+                      (c(enc.layers), len(enc.layers), enc.config.hidden_size, layout.patch_size + 1),
+                      (c(dit.layers), len(dit.layers), dit.config.hidden_size, 2 * layout.patch_size + 1)]
+        big = c(lm.layers) + c(res.layers) + c(enc.layers) + c(dit.layers) + lm.embed_tokens.weight.numel()
+        self.other = c(model) - big
+
+    def __call__(self, b: int, s: int) -> float:
+        total = 6.0 * self.other * b * s
+        for p, n, d, local in self.parts:
+            if local is None:  # causal over the sequence
+                total += 6.0 * p * b * s + 6.0 * n * d * b * s * s
+            else:  # b*s rows of `local` tokens, full attention
+                rows = b * s
+                total += 6.0 * p * rows * local + 12.0 * n * d * rows * local * local
+        return total
+
+
+def summarize(args, peer, elapsed, stats, extra) -> dict:
+    tot = {k: sum(float(s[k]) for s in stats) for k in ("n", "audio_s", "flops", "real", "padded")}
+    tflops = tot["flops"] / elapsed / 1e12
+    return {"workload": "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts", "peer": peer, "world_size": 1,
+            "steps": len(stats), "warmup": args.warmup, "elapsed_s": round(elapsed, 3),
+            "samples_per_s": tot["n"] / elapsed, "audio_s_per_s": tot["audio_s"] / elapsed,
+            "samples_per_step": tot["n"] / max(1, len(stats)), "padding_fraction": 1 - tot["real"] / max(1, tot["padded"]),
+            "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
+            "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, **extra}
+
+
+# ------------------------------------------------------------------------------------ peers
+
+
+def run_upstream(args) -> dict:
+    from models import voxcpm_tts as vt
+
+    model, vae, layout = make_model(args)
+    dev = device()
+    d, ids = corpus(args, layout.lm_config.vocab_size)
+    flops = Flops(model, layout)
+    packer = vt.upstream_packer_class()(dataset_cnt=1, max_len=layout.max_length, patch_size=layout.patch_size,
+                                        feat_dim=layout.feat_dim, audio_vae=vae)
+    loader = torch.utils.data.DataLoader(SyntheticAudio(d, ids, vae.sample_rate), batch_size=args.batch, shuffle=True,
+                                         num_workers=0 if args.dry else 2, collate_fn=upstream_collate, drop_last=True, pin_memory=True,
+                                         generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01)
+    from transformers import get_cosine_schedule_with_warmup
+
+    sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=100, num_training_steps=2000)
+    scaler = torch.amp.GradScaler("cuda", enabled=dev.type == "cuda")
+    model.train()
+    torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+    it, stats, t0, loss = iter(loader), [], None, None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            sync()
+            t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        batch = next(it)
+        p = packer(audio_tokens=batch["audio_tokens"].to(dev), text_tokens=batch["text_tokens"].to(dev),
+                   task_ids=batch["task_ids"].to(dev), dataset_ids=batch["dataset_ids"].to(dev),
+                   is_prompts=batch["is_prompts"])
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            out = model(p["text_tokens"], p["text_mask"], p["audio_feats"], p["audio_mask"], p["loss_mask"],
+                        p["position_ids"], p["labels"], progress=step / 2000)
+        total = out["loss/diff"] + out["loss/stop"]
+        scaler.scale(total).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        if step % 10 == 0:
+            loss = float(total.item())
+        if step >= args.warmup:
+            b, s = p["text_mask"].shape
+            real = int((p["text_mask"] + p["audio_mask"]).sum())  # text, 101/102 and audio positions
+            stats.append({"n": b, "audio_s": float(d[batch["index"]].sum()), "flops": flops(b, s),
+                          "real": real, "padded": b * s})
+    sync()
+    elapsed = time.perf_counter() - t0
+    return summarize(args, "upstream", elapsed, stats, {"batch": args.batch, "loss": loss if loss is not None
+                                                        else float(total.item())})
+
+
+def run_ddptrain(args) -> dict:
+    import finetune_tts as ft
+    import prepare_tts
+
+    import ddptrain
+
+    from models import voxcpm_tts as vt
+
+    model, vae, layout = make_model(args)
+    d, ids = corpus(args, layout.lm_config.vocab_size)
+    flops = Flops(model, layout)
+    # the prepare step: encode every utterance once (timed, reported apart)
+    folder = os.path.join(args.tmp, "latents")
+    os.makedirs(folder, exist_ok=True)
+    ds = SyntheticAudio(d, ids, vae.sample_rate)
+    sync()
+    t = time.perf_counter()
+    utts = []
+    for i in range(len(d)):
+        z = vt.encode_latents(vae, torch.from_numpy(ds[i]["audio_array"]), layout.patch_size).numpy()
+        path = os.path.join(folder, f"{i}.npy")
+        np.save(path, z)
+        utts.append(prepare_tts.CachedUtterance(str(i), str(i), path, int(z.shape[0]), "synthetic", i + 1))
+    sync()
+    prepare_s = time.perf_counter() - t
+    ov = OVERRIDES[args.peer] + list(args.ov)
+    cfg = ddptrain.load_config(os.path.join(HERE, "..", "configs", "tts_voxcpm15.yaml"), [
+        f"trainer.output_dir={args.tmp}/{args.peer}", f"trainer.max_steps={args.warmup + args.steps}",
+        "trainer.eval_every=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
+        "logging.progress_bar=false", "logging.log_every=10", f"data.num_workers={0 if args.dry else 2}", f"data.max_duration={args.max_duration}",
+        "tts.num_samples=0", *ov, *(["trainer.precision=fp32", "trainer.param_dtype=fp32", "trainer.device=cpu",
+                                     "data.num_buckets=2", "compile.enabled=false"] if args.dry else [])],
+        schema=ft.RecipeConfig)
+    info = ddptrain.setup_distributed(cfg)
+    by_text = {str(i): x for i, x in enumerate(ids)}  # an utterance's "text" is its index: the synthetic ids
+
+    class Ids:
+        def __call__(self, text):
+            return by_text[text]
+
+    loader = ft.build_loader(utts, cfg, Ids(), layout, True, 1, 0)
+    objective = ft.TTSObjective()
+    calls = []
+
+    def timed(m, batch):
+        b, s = batch["text_mask"].shape
+        real = int((batch["text_mask"] + batch["audio_mask"]).sum())
+        calls.append((time.perf_counter(), {"n": b, "audio_s": float(sum(d[int(i)] for i in batch["ids"])),
+                                            "flops": flops(b, s), "real": real, "padded": b * s}))
+        return objective(m, batch)
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer = ddptrain.Trainer(model, timed, cfg, loader)
+    trainer.fit()
+    sync()
+    end = time.perf_counter()
+    w, n = args.warmup, args.steps
+    elapsed = (calls[w + n][0] if len(calls) > w + n else end) - calls[w][0]
+    logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
+    trainer.close()
+    return summarize(args, args.peer, elapsed, [s for _, s in calls[w:w + n]],
+                     {"max_duration": args.max_duration, "ov": ov, "prepare_s": round(prepare_s, 2),
+                      "prepare_audio_s_per_s": float(d.sum()) / prepare_s, "compiled_modules": len(trainer.compiled),
+                      "loss": logged[-1]["loss"] if logged else None,
+                      "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"]})
+
+
+def run_one(args) -> dict:
+    if args.peer == "upstream":
+        return run_upstream(args)
+    OVERRIDES.setdefault(args.peer, [])
+    return run_ddptrain(args)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peers", default="upstream,ddptrain,ddptrain_best")
+    p.add_argument("--out", default="")
+    p.add_argument("--dry", action="store_true", help="CPU: tiny preset, 12 utterances, 1 + 2 steps, fp32, no compile")
+    p.add_argument("--batch", type=int, default=16, help="upstream's batch size (its configs: 16)")
+    p.add_argument("--max-duration", type=float, default=160.0, help="ddptrain: padded latent seconds per batch")
+    p.add_argument("--utterances", type=int, default=320)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per peer (start and compile included)")
+    p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=v: a ddptrain peer with these overrides")
+    p.add_argument("--inline", action="store_true", help="run the peers in this process (CPU dry runs: one import)")
+    p.add_argument("--peer", help=argparse.SUPPRESS)
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--tmp", default="")
+    args = p.parse_args(argv)
+    if args.dry:
+        args.batch, args.utterances, args.warmup, args.steps, args.max_duration = 4, 12, 1, 2, 20.0
+    if args.peer:
+        row = run_one(args)
+        with open(args.row, "w") as f:
+            json.dump(row, f)
+        return 0
+    named = dict(o.split("=", 1) for o in args.ov)
+    OVERRIDES.update({k: v.split(",") for k, v in named.items()})
+    peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
+    failed = 0
+    for peer in peers:
+        if args.inline:  # no subprocess: no time limit either, for the dry run's few steps
+            with tempfile.TemporaryDirectory() as tmp:
+                args.peer, args.tmp = peer, tmp
+                row = run_one(args)
+            args.peer = None
+            print(json.dumps(row)[:3000], flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            row_file = os.path.join(tmp, "row.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
+                   "--batch", str(args.batch), "--max-duration", str(args.max_duration), "--utterances",
+                   str(args.utterances), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            cmd += ["--dry"] * args.dry + [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
+            env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.dry else "4"))
+            tic = time.time()
+            try:
+                proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, env=env)
+                ok = proc.returncode == 0 and os.path.exists(row_file)
+                row = json.load(open(row_file)) if ok else {"peer": peer, "error": (proc.stdout + proc.stderr)[-3000:]}
+            except subprocess.TimeoutExpired as e:
+                ok, tail = False, ((e.stdout or b"") + (e.stderr or b""))[-1500:]
+                row = {"peer": peer, "error": f"did not finish within {args.timeout:.0f} s",
+                       "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
+        row.setdefault("workload", "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts")
+        row["wall_s"] = round(time.time() - tic, 1)
+        failed += not ok
+        print(json.dumps(row)[:3000], flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
