@@ -20,7 +20,8 @@ BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 
 MODULES = ["flops", "measure", "profiling", "workloads", "peers", "run", "gpu_session", "check_flops",
-           "bench_balance", "bench_padding", "bench_dataloading", "bench_tuned", "calib", "nccl_probe"]
+           "bench_balance", "bench_padding", "bench_dataloading", "bench_tuned", "bench_9b", "bench_glmasr",
+           "bench_voxcpm", "calib", "nccl_probe"]
 
 
 def rows(path):
