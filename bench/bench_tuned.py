@@ -134,6 +134,8 @@ def build(args, workload: str, cfg):
     model, loss, flops = workloads.build(workload, preset, {}, dev)
     h = workloads.hf_cfg(workload, preset, {})
     h.synthetic_utterances = args.utterances
+    if args.dry:  # short utterances: a CPU step stays cheap
+        h.synthetic_median_s, h.synthetic_min_s, h.synthetic_max_s = 1.5, 0.5, 4.0
     wrap = lambda c: workloads.StatsCollate(c, workload, flops)  # noqa: E731
     if workload == "wav2vec2":
         return model, loss, fhm.build_synthetic_loader(h, data, 1, 0, model.config, collate_wrapper=wrap)
@@ -235,16 +237,16 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", required=True, help="JSONL file the rows are appended to")
     parser.add_argument("--memory-gb", type=float, default=None, help="per-step peak target (default 90%% of the GPU)")
-    parser.add_argument("--utterances", type=int, default=None, help="corpus size (default 8000; dry: 32)")
-    parser.add_argument("--buckets", type=int, default=None, help="data.num_buckets (default 30; dry: 3)")
+    parser.add_argument("--utterances", type=int, default=None, help="corpus size (default 8000; dry: 16)")
+    parser.add_argument("--buckets", type=int, default=None, help="data.num_buckets (default 30; dry: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 10; dry: 1)")
     parser.add_argument("--dry", action="store_true", help="CPU: tiny models, a small corpus, a stand-in meter")
     args = parser.parse_args(argv)
-    for key, real, dry in (("utterances", 8000, 32), ("buckets", 30, 3), ("warmup", 10, 1)):
+    for key, real, dry in (("utterances", 8000, 16), ("buckets", 30, 2), ("warmup", 10, 1)):
         if getattr(args, key) is None:
             setattr(args, key, dry if args.dry else real)
     if args.memory_gb is None:
-        args.memory_gb = 0.04 if args.dry else round(0.9 * torch.cuda.get_device_properties(0).total_memory / GB, 1)
+        args.memory_gb = 0.015 if args.dry else round(0.9 * torch.cuda.get_device_properties(0).total_memory / GB, 1)
     from run import versions
 
     failed = 0

@@ -237,9 +237,11 @@ def train_once(trainer, batch: Any, where: str, update: bool = True) -> Optional
     """One forward + backward + optimizer update through the Trainer's pieces (DDP, autocast,
     masters, ZeRO, clipping), without touching its progress, schedule or guard.
 
-    Collective on several ranks: the backward runs under ``no_sync`` and the ranks agree on an
-    out-of-memory error before the update's all-reduce, so a rank that failed leaves none waiting.
-    (An error inside ZeRO's step, between its broadcasts, is left to ``dist.timeout_s``.)
+    Collective on several ranks: the forward and backward run on the module without its DDP
+    wrapper (no buffer broadcast or gradient all-reduce a failed rank would leave waiting; its
+    gradients then take one extra copy of memory, an overestimate), and the ranks agree on an
+    out-of-memory error before the update's all-reduce. (An error inside ZeRO's step, between its
+    broadcasts, is left to ``dist.timeout_s``.)
 
     Args:
         update: False: forward and backward only (the gradients are then freed).
@@ -251,14 +253,13 @@ def train_once(trainer, batch: Any, where: str, update: bool = True) -> Optional
         Exception: any other error of the step.
     """
     failed = None
-    trainer.model.train()
-    sync = contextlib.nullcontext() if not trainer.info.distributed else trainer.model.no_sync()
+    model = trainer.module if trainer.info.distributed else trainer.model
+    model.train()
     try:
-        with sync:
-            batch = to_device(batch, trainer.device)
-            with trainer.precision.autocast():
-                loss_sum, units = check_loss_output(trainer.loss_fn(trainer.model, batch), where)
-            trainer.precision.scale(loss_sum.float()).backward()
+        batch = to_device(batch, trainer.device)
+        with trainer.precision.autocast():
+            loss_sum, units = check_loss_output(trainer.loss_fn(model, batch), where)
+        trainer.precision.scale(loss_sum.float()).backward()
     except Exception as e:  # only an OOM is an answer, anything else is raised
         if not is_oom(e):
             raise
@@ -403,8 +404,8 @@ def find_bucket_budgets(model: torch.nn.Module, loss_fn, config, loader_or_sampl
             if try_batch(shortest, 1) is None:  # allocates the optimizer state, as in a running job
                 raise TuneError(f"the warm-up step ({shortest.describe(1)}) ran out of memory")
             base = meter.current()
-            say(f"tuning {len(buckets)} buckets on {meter.name()}: target {memory_target_gb:g} GB of "
-                f"{meter.capacity() / GB:.1f}; {base / GB:.2f} GB at rest (weights, optimizer state)")
+            say(f"tuning {len(buckets)} buckets on {meter.name()}: target {memory_target_gb:.3g} GB of "
+                f"{meter.capacity() / GB:.3g}; {base / GB:.3g} GB at rest (weights, optimizer state)")
             found = search_batch_sizes(buckets, try_batch, memory_target_gb * GB, base, tolerance, say)
         settings = memory_settings(config, trainer.module)
     found.sort(key=lambda r: r["bucket"])

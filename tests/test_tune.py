@@ -20,9 +20,11 @@ from ddptrain import tune
 from ddptrain.data import DurationBucketSampler, SpeechCollator
 from ddptrain.tune import Bucket, PreflightError, TuneError, search_batch_sizes
 
+from _dist import run_ranks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F, H = 4, 8  # feature bins of the synthetic corpus; the model's width (its largest activation: B x T x H)
-DURS = np.round(np.random.default_rng(0).uniform(0.5, 4.0, 240), 2)
+DURS = np.round(np.random.default_rng(0).uniform(0.5, 4.0, 160), 2)
 
 
 # ----------------------------------------------------------------------------- the search alone
@@ -143,7 +145,7 @@ class Frames(torch.utils.data.Dataset):
 
 
 def loader(**kw):
-    sampler = DurationBucketSampler(DURS, **{"max_duration": 20.0, "num_buckets": 6, "seed": 1, **kw})
+    sampler = DurationBucketSampler(DURS, **{"max_duration": 20.0, "num_buckets": 4, "seed": 1, **kw})
     return torch.utils.data.DataLoader(Frames(), batch_sampler=sampler,
                                        collate_fn=SpeechCollator("features", num_mel_bins=F, pad_to_multiple=1,
                                                                  with_tokens=False))
@@ -167,7 +169,7 @@ def frame_loss(model, batch):
 def config(tmp_path, *extra):
     return ddptrain.load_config(None, [f"trainer.output_dir={tmp_path}/run", "trainer.device=cpu",
                                        "logging.progress_bar=false", "logging.tensorboard=false",
-                                       "data.num_buckets=6", *extra])
+                                       "data.num_buckets=4", *extra])
 
 
 @pytest.mark.parametrize("power, per_element", [(1.0, 1.0), (1.5, 0.2)])  # linear, and superlinear: some tries OOM
@@ -193,7 +195,7 @@ def test_find_bucket_budgets_runs_real_steps_and_writes_what_the_sampler_reads(t
     assert "over" in tries and ("oom" in tries) == (power > 1), tries
     assert doc["settings"]["trainer.precision"] == "fp32" and doc["device"] == "fake"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "tuning moved the weights"
-    tuned = DurationBucketSampler(DURS, max_duration=20.0, num_buckets=6, seed=1, bucket_budgets=str(out))
+    tuned = DurationBucketSampler(DURS, max_duration=20.0, num_buckets=4, seed=1, bucket_budgets=str(out))
     assert tuned.bucket_batch_sizes == expect != s.bucket_batch_sizes
     # the tuned plan trains a whole epoch on the fake device without an OOM
     loaded = loader(bucket_budgets=str(out))
@@ -293,6 +295,34 @@ def test_preflight_names_the_bucket_that_runs_out_of_memory(tmp_path):
                           loader()) as trainer:
         trainer.fit()
         assert trainer.step == 2
+
+
+def _two_rank_preflight(rank, world_size, folder):
+    for oom_on_rank1 in (True, False):
+        data = loader(world_size=world_size, rank=rank)
+        s = data.batch_sampler
+        padded = max(b * int(round(hi * 100)) for b, (_, hi) in zip(s.bucket_batch_sizes, s.bucket_edges))
+        loss = oom_above(padded - 1) if oom_on_rank1 and rank == 1 else frame_loss
+        out = os.path.join(folder, f"oom{int(oom_on_rank1)}")
+        cfg = config(out, "trainer.preflight=worst", "trainer.max_steps=2", "dist.timeout_s=60")
+        with ddptrain.Trainer(Tiny(), loss, cfg, data) as trainer:
+            try:
+                trainer.fit()
+                result = f"trained {trainer.step}"
+            except PreflightError as e:
+                result = str(e)
+        with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+            f.write(result)
+
+
+@pytest.mark.timeout(120)
+def test_preflight_on_two_ranks_agrees_an_oom_on_one_rank_and_nobody_hangs(tmp_path):
+    """Rank 1 runs out of memory before its model's forward; rank 0 must not wait in a collective."""
+    run_ranks(_two_rank_preflight, 2, str(tmp_path), timeout=100)
+    oom, fine = ([open(tmp_path / f"oom{k}" / f"rank{r}.txt").read() for r in range(2)] for k in (1, 0))
+    assert "out of memory on another rank" in oom[0] and "does not fit" in oom[0]
+    assert "CUDA out of memory. Tried to allocate" in oom[1] and "bucket" in oom[1]
+    assert fine == ["trained 2", "trained 2"]
 
 
 def train(tmp_path, name, preflight, steps=6):
