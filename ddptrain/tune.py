@@ -303,8 +303,16 @@ def _optimizer_states(optimizer) -> dict:
 
 def loader_batches(loader) -> Callable[[list], Any]:
     """``rows -> batch`` through the loader's own dataset and collate function; speed
-    perturbation draws its slowest factor, the length the sampler budgeted for."""
-    dataset, collate = loader.dataset, loader.collate_fn
+    perturbation draws its slowest factor, the length the sampler budgeted for.
+
+    Raises:
+        ConfigError: ``loader`` has no dataset and collate function (a bare sampler: pass
+            ``make_batch``).
+    """
+    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    if dataset is None or collate is None:
+        raise ConfigError(f"{type(loader).__name__} has no dataset and collate_fn to build batches from: "
+                          "pass make_batch (dataset indices -> batch)")
 
     def make(rows: list) -> Any:
         speeds = getattr(dataset, "speeds", None)

@@ -209,6 +209,8 @@ def test_the_tuner_needs_a_bucket_sampler_and_one_process(tmp_path):
     plain = torch.utils.data.DataLoader(Frames(), batch_size=4)
     with pytest.raises(ddptrain.ConfigError, match="DurationBucketSampler"):
         tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), plain, 1.0, meter=object())
+    with pytest.raises(ddptrain.ConfigError, match="pass make_batch"):
+        tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), loader().batch_sampler, 1.0, meter=object())
     with pytest.raises(ddptrain.ConfigError, match="CUDA device"):
         tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), loader(), 1.0)
 
