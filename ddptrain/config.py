@@ -260,6 +260,19 @@ def items(rule: Rule, count: Optional[int] = None) -> Rule:
     return Rule((f"{count} values, " if count else "") + f"each {rule.text}", check)
 
 
+def entries(rule: Rule) -> Rule:
+    """A mapping ``{name: value}`` whose every value passes ``rule`` (names are strings)."""
+    def check(v):
+        out = {}
+        for k, x in dict(v).items():
+            try:
+                out[str(k)] = rule.check(x)
+            except _Bad as e:
+                raise _Bad(f"entry {k!r} ({x!r}) {e}") from None
+        return out
+    return Rule(f"{{name: value}}, each {rule.text}", check)
+
+
 def _signal_name(v: Any) -> str:
     """``SIGTERM``, ``sigterm``, ``TERM`` and ``term`` all name SIGTERM; stored as ``SIGTERM``."""
     name = str(v).strip().upper()
@@ -347,6 +360,10 @@ RULES: dict[str, Rule] = {
     "lora.trainable": items(not_empty()),
     "data.train_manifest": ANY,
     "data.eval_manifest": ANY,
+    "data.train_sources": entries(not_empty()),
+    "data.train_weights": entries(at_least(0)),
+    "data.eval_sources": entries(not_empty()),
+    "data.shard_window": at_least(0),
     "data.tokenizer": ANY,
     "data.unk_token": ANY,
     "data.sample_rate": above(0),
@@ -406,6 +423,13 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
     (("recompute.enabled", "recompute.module_classes", "recompute.name_globs"),
      lambda on, classes, globs: not on or bool(classes) or bool(globs),
      "recompute.enabled=true needs recompute.module_classes or recompute.name_globs (which modules to recompute)"),
+    (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
+     "data.train_manifest and data.train_sources both name the training data: set one of them"),
+    (("data.eval_manifest", "data.eval_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
+     "data.eval_manifest and data.eval_sources both name the evaluation data: set one of them"),
+    (("data.train_sources", "data.train_weights"),
+     lambda sources, weights: not weights or (set(weights) == set(sources) and sum(weights.values()) > 0),
+     "data.train_weights needs one weight per name of data.train_sources (and no other name), not all 0"),
     (("data.features", "data.sample_rate", "data.frame_length_ms", "data.frame_shift_ms"),
      lambda kind, rate, length, shift: kind == "raw" or (int(rate * length / 1000) >= 2 and int(rate * shift / 1000) >= 1),
      "data.frame_length_ms / data.frame_shift_ms are under 2 / 1 samples at data.sample_rate"),

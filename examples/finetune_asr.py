@@ -78,12 +78,18 @@ class CTCObjective:
         return loss, batch["token_lens"].sum()
 
     def error_counts(self, model, batch):
-        """Eval metrics as (numerator, denominator) pairs: corpus WER and CER, reduced by the Trainer."""
+        """Eval metrics as (numerator, denominator) pairs: corpus WER and CER, reduced by the Trainer;
+        with named sources (``data.eval_sources``) also ``wer/<source>`` and ``cer/<source>``."""
         feats, lens = self._features(model, batch)
         log_probs, out_lens = model(feats, lens)
         hyps = [self.tokenizer.decode(ids) for ids in ctc_greedy_decode(log_probs, out_lens)]
-        return {"wer": metrics.word_errors(batch["texts"], hyps),
-                "cer": metrics.char_errors(batch["texts"], hyps)}
+        refs = batch["texts"]
+        out = {"wer": metrics.word_errors(refs, hyps), "cer": metrics.char_errors(refs, hyps)}
+        for name in sorted(set(batch.get("sources", ()))):
+            mine = [i for i, s in enumerate(batch["sources"]) if s == name]
+            out[f"wer/{name}"] = metrics.word_errors([refs[i] for i in mine], [hyps[i] for i in mine])
+            out[f"cer/{name}"] = metrics.char_errors([refs[i] for i in mine], [hyps[i] for i in mine])
+        return out
 
 
 def build(cfg: ASRConfig) -> tuple:
@@ -98,9 +104,10 @@ def build(cfg: ASRConfig) -> tuple:
     ddptrain.dist.barrier()  # rank 0 may have just built and saved it
     tokenizer = tokenizer or load_or_build_tokenizer(cfg.data)
     cfg.model.vocab_size = tokenizer.vocab_size
-    train_loader = build_dataloader(cfg.data.train_manifest, cfg.data, tokenizer, train=True)
-    eval_loader = (build_dataloader(cfg.data.eval_manifest, cfg.data, tokenizer, train=False)
-                   if cfg.data.eval_manifest else None)
+    # named sources (data.train_sources / eval_sources) or manifests / shards
+    train_loader = build_dataloader(cfg.data.train_sources or cfg.data.train_manifest, cfg.data, tokenizer, train=True)
+    eval_set = cfg.data.eval_sources or cfg.data.eval_manifest
+    eval_loader = build_dataloader(eval_set, cfg.data, tokenizer, train=False) if eval_set else None
 
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and every run
     model = ConformerCTC(cfg.model)

@@ -15,7 +15,10 @@ File map: ``manifest.py`` (JSONL), ``audio.py`` (soundfile + resampling), ``feat
 (characters, blank = 0), ``sampler.py`` (DurationBucketSampler), ``dataset.py`` (index ->
 example, bad-data policy), ``collate.py`` (padding, batch keys), ``loader.py``
 (build_dataloader), ``validate.py`` (checks + ``python -m ddptrain.data.validate``),
-``synthetic.py`` (a generated corpus for tests and benchmarks), ``config.py`` (DataConfig).
+``synthetic.py`` (a generated corpus for tests and benchmarks), ``config.py`` (DataConfig);
+``shards.py`` (tar shards + index: ``python -m ddptrain.data.shards`` writes them; ShardDataset),
+``shard_sampler.py`` (ShardWindowSampler: batches planned within windows of shards), ``mix.py``
+(named sources mixed by weight: WeightedMixSampler, MixedDataset).
 """
 
 # Exports are imported on first use (PEP 562), not here: ``python -m ddptrain.data.validate``
@@ -31,6 +34,9 @@ _EXPORTS = {
     "build_dataloader": "loader",
     "ManifestEntry": "manifest", "load_manifest": "manifest", "parse_manifest": "manifest",
     "DurationBucketSampler": "sampler",
+    "ShardDataset": "shards", "ShardSet": "shards", "load_shards": "shards", "write_shards": "shards",
+    "ShardWindowSampler": "shard_sampler",
+    "MixedDataset": "mix", "WeightedMixSampler": "mix",
     "write_synthetic_corpus": "synthetic",
     "CharTokenizer": "tokenizer", "TokenizerError": "tokenizer", "load_or_build_tokenizer": "tokenizer",
     "ValidationReport": "validate", "validate_manifest": "validate",

@@ -12,8 +12,13 @@ from dataclasses import dataclass, field
 @dataclass
 class DataConfig:
     # --- manifests (NeMo-style JSONL: audio_filepath, duration, text [, offset, speaker, lang, id])
-    train_manifest: str = ""  # training manifest path (several: comma-separated)
+    train_manifest: str = ""  # training manifest path (several: comma-separated); or shards: a .tar, a folder or glob of them
     eval_manifest: str = ""  # evaluation manifest path ("" = no evaluation data)
+    # --- named sources and shards (mix.py, shards.py)
+    train_sources: dict[str, str] = field(default_factory=dict)  # instead of train_manifest: {name: manifest or shards}, mixed by train_weights
+    train_weights: dict[str, float] = field(default_factory=dict)  # {name: weight}: each source's share of every epoch's utterances; {} = by size
+    eval_sources: dict[str, str] = field(default_factory=dict)  # instead of eval_manifest: {name: manifest or shards}; batches carry each utterance's source name
+    shard_window: int = 4  # plan batches within windows of this many shards (locality); 0 = over all shards at once
     tokenizer: str = ""  # tokenizer file; "" = build a character tokenizer from train_manifest
     unk_token: str = ""  # map unknown characters to this token; "" = unknown chars are an error
     # --- audio and features

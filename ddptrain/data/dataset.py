@@ -89,7 +89,6 @@ class SpeechDataset(Dataset):
     """
 
     def __init__(self, entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, train: bool = False):
-        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
         self.ids = PackedStrings([e.id for e in entries])
         self.paths = PackedStrings([e.audio_filepath for e in entries])
         self.texts = PackedStrings([e.text for e in entries])
@@ -98,6 +97,11 @@ class SpeechDataset(Dataset):
         self.durations = np.array([e.duration for e in entries], dtype=np.float64)
         self.offsets = np.array([e.offset for e in entries], dtype=np.float64)
         self.is_segment = np.array([e.is_segment for e in entries], dtype=bool)
+        self._setup(cfg, tokenizer, train)
+
+    def _setup(self, cfg: DataConfig, tokenizer, train: bool) -> None:
+        """What does not depend on where the audio is stored (``ShardDataset`` shares it)."""
+        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train = train
@@ -151,23 +155,10 @@ class SpeechDataset(Dataset):
         return example
 
     def _load(self, i: int) -> dict:
-        cfg = self.cfg
-        text = self.texts[i]
-        if not text.strip():
-            raise DataError("empty text")
         rng = self._augmentation_rng(i) if self.train else None
         speed = self.speeds[int(torch.randint(len(self.speeds), (), generator=rng))] if self.speeds else 1.0
-        seg = bool(self.is_segment[i])
-        wave = load_audio(self.paths[i], cfg.sample_rate, float(self.offsets[i]),
-                          float(self.durations[i]) if seg else None, speed)
-        if not seg:
-            # the sampler's budget trusts the manifest duration: a file much longer than its line
-            # says would silently blow the batch budget (and the GPU memory) later
-            seconds = wave.numel() * speed / cfg.sample_rate
-            if abs(seconds - self.durations[i]) > cfg.duration_tolerance + 1.0 / cfg.sample_rate:
-                raise DataError(f"duration mismatch: the manifest says {self.durations[i]:.3f}s, "
-                                f"{self.paths[i]} has {seconds:.3f}s")
-        out = {"id": self.ids[i], "text": text}
+        wave, text, uid = self._read(i, speed)
+        out = {"id": uid, "text": text}
         if self.tokenizer is not None:
             out["tokens"] = torch.tensor(self.tokenizer.encode(text), dtype=torch.int64)
         if self.extractor is None:
@@ -181,3 +172,25 @@ class SpeechDataset(Dataset):
         # Whisper's padded frames are model input (the silence it was trained on): keep the window
         out["features"] = f["features"][0] if self.extractor.kind == "whisper_logmel" else f["features"][0, :n]
         return out
+
+    def _read(self, i: int, speed: float) -> tuple[torch.Tensor, str, str]:
+        """Utterance ``i``'s waveform (at ``cfg.sample_rate``, sped up by ``speed``), transcript and
+        id: the one place that knows where an utterance is stored (``ShardDataset`` overrides it)."""
+        text = self.texts[i]
+        if not text.strip():
+            raise DataError("empty text")
+        seg = bool(self.is_segment[i])
+        wave = load_audio(self.paths[i], self.cfg.sample_rate, float(self.offsets[i]),
+                          float(self.durations[i]) if seg else None, speed)
+        if not seg:
+            self._check_duration(i, wave, speed, self.paths[i])
+        return wave, text, self.ids[i]
+
+    def _check_duration(self, i: int, wave: torch.Tensor, speed: float, where: str) -> None:
+        # the sampler's budget trusts the manifest duration: a file much longer than its line
+        # says would silently blow the batch budget (and the GPU memory) later
+        cfg = self.cfg
+        seconds = wave.numel() * speed / cfg.sample_rate
+        if abs(seconds - self.durations[i]) > cfg.duration_tolerance + 1.0 / cfg.sample_rate:
+            raise DataError(f"duration mismatch: the manifest says {self.durations[i]:.3f}s, "
+                            f"{where} has {seconds:.3f}s")

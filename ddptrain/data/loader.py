@@ -26,6 +26,7 @@ import logging
 import os
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -37,6 +38,7 @@ from ddptrain.data.dataset import SpeechDataset
 from ddptrain.data.errors import DataError
 from ddptrain.data.features import BatchFeatureExtractor
 from ddptrain.data.manifest import ManifestEntry
+from ddptrain.data.mix import SourceCollator, Sources, load_sources, uses_sources
 from ddptrain.data.sampler import DurationBucketSampler
 from ddptrain.data.tokenizer import CharTokenizer
 from ddptrain.data.validate import ValidationReport, _entries_of, check_entries, finish_report
@@ -56,7 +58,10 @@ def build_dataloader(
     """Build the training or evaluation DataLoader.
 
     Args:
-        manifest: manifest path, comma-separated paths, list of paths, or ``ManifestEntry`` list.
+        manifest: manifest path, comma-separated paths, list of paths, or ``ManifestEntry`` list;
+            a path may name shards (a ``.tar``, a folder or glob of them: ddptrain/data/shards.py);
+            a ``{name: paths}`` mapping gives named sources (ddptrain/data/mix.py), mixed by
+            ``data.train_weights`` when ``train``, with ``batch["sources"]`` in every batch.
         data_cfg: the ``data:`` config section.
         tokenizer: a ``CharTokenizer``, a tokenizer file path, or ``None`` (no ``tokens`` keys).
         train: training (shuffle, augmentation, ``data.tail``) or evaluation (none of those).
@@ -65,12 +70,13 @@ def build_dataloader(
 
     Returns:
         A DataLoader yielding batch dicts (keys: see ``ddptrain/data/collate.py``) with
-        ``.batch_sampler`` the DurationBucketSampler.
+        ``.batch_sampler`` the DurationBucketSampler (for shards or sources, its subclass
+        ShardWindowSampler or WeightedMixSampler).
 
     Raises:
         ConfigError: a ``data_cfg`` value outside what ``load_config`` accepts.
-        DataError: bad manifest lines under ``bad_data: error`` (all listed), no utterance
-            left, or ranks that disagree about the data set.
+        DataError: bad manifest lines or shard members under ``bad_data: error`` (all listed),
+            no utterance left, or ranks that disagree about the data set.
     """
     cfg = check_section(data_cfg, "data")  # a DataConfig built in Python gets load_config's checks
     world_size = dist.get_world_size() if world_size is None else world_size
@@ -78,25 +84,31 @@ def build_dataloader(
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = CharTokenizer.load(tokenizer)
 
-    entries, problems = _entries_of(manifest)
+    sources: Optional[Sources] = None
     report: Optional[ValidationReport] = None
-    if cfg.validate:
-        problems += _check_sharded(entries, cfg, tokenizer)
-        report = finish_report(entries, problems, cfg.bad_data)
-        entries = report.entries
-        if report.problems:
-            log.warning("skipped %d bad utterance(s) of %d (data.bad_data=skip):\n%s",
-                        report.num_skipped, report.num_total, report)
+    if uses_sources(manifest):  # named sources or shard sets (mix.py, shards.py)
+        sources = load_sources(manifest, cfg, tokenizer, _check_sharded)
+        report, durations = sources.report, sources.durations
+        _check_same_on_all_ranks(sources.fingerprint(), durations.size)
     else:
-        entries = finish_report(entries, problems, cfg.bad_data).entries  # parse errors still count
-    if not entries:
-        raise DataError(f"no utterances left in {manifest!r} (after skipping bad lines)")
-    _check_same_on_all_ranks(entries)
+        entries, problems = _entries_of(manifest)
+        if cfg.validate:
+            problems += _check_sharded(entries, cfg, tokenizer)
+            report = finish_report(entries, problems, cfg.bad_data)
+            entries = report.entries
+            if report.problems:
+                log.warning("skipped %d bad utterance(s) of %d (data.bad_data=skip):\n%s",
+                            report.num_skipped, report.num_total, report)
+        else:
+            entries = finish_report(entries, problems, cfg.bad_data).entries  # parse errors still count
+        if not entries:
+            raise DataError(f"no utterances left in {manifest!r} (after skipping bad lines)")
+        _check_same_on_all_ranks("".join(f"{e.id}\t{e.duration:.4f}\n" for e in entries).encode(), len(entries))
+        durations = np.array([e.duration for e in entries], dtype=np.float64)
 
     speeds = [float(s) for s in cfg.speed_perturb] if train else []
     stretch = 1.0 / min(speeds) if speeds else 1.0
-    sampler = DurationBucketSampler(
-        [e.duration * stretch for e in entries],
+    settings = dict(
         max_duration=cfg.max_duration,
         max_batch_size=cfg.max_batch_size,
         quadratic_duration=cfg.quadratic_duration,
@@ -110,8 +122,13 @@ def build_dataloader(
         world_size=world_size,
         rank=rank,
     )
-    dataset = SpeechDataset(entries, cfg, tokenizer, train)
-    collate = SpeechCollator(
+    if sources is None:
+        sampler = DurationBucketSampler(durations * stretch, **settings)
+        dataset = SpeechDataset(entries, cfg, tokenizer, train)
+    else:
+        sampler = sources.sampler(durations * stretch, cfg, train, **settings)
+        dataset = sources.dataset(cfg, tokenizer, train)
+    collate = (SourceCollator if sources is not None and sources.names else SpeechCollator)(
         mode="features" if dataset.extractor is not None else "audio",
         num_mel_bins=cfg.num_mel_bins,
         pad_to_multiple=cfg.pad_to_multiple,
@@ -145,14 +162,12 @@ def _check_sharded(entries: list[ManifestEntry], cfg: DataConfig, tokenizer) -> 
     return [p for part in dist.all_gather_object(mine) for p in part]
 
 
-def _check_same_on_all_ranks(entries: list[ManifestEntry]) -> None:
-    """Raise on every rank if the ranks of the process group ended up with different utterances."""
+def _check_same_on_all_ranks(identity: bytes, count: int) -> None:
+    """Raise on every rank if the ranks of the process group ended up with different utterances
+    (``identity``: the ids and durations of this rank's ``count`` utterances, as bytes)."""
     if dist.get_world_size() == 1:
         return
-    h = hashlib.blake2b(digest_size=8)
-    for e in entries:
-        h.update(f"{e.id}\t{e.duration:.4f}\n".encode())
-    seen = dist.all_gather_object((h.hexdigest(), len(entries)))
+    seen = dist.all_gather_object((hashlib.blake2b(identity, digest_size=8).hexdigest(), count))
     if len(set(seen)) > 1:
         per_rank = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(seen))
         raise DataError(f"the ranks see different lists of utterances ({per_rank}; rank {dist.get_rank()} "
