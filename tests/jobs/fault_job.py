@@ -96,8 +96,8 @@ def loss_fn(model, batch):
 if kind == "killsave":
     real_save = ckpt.save_weights
 
-    def dying_save(m, path):
-        real_save(m, path)
+    def dying_save(m, path, *args, **kwargs):
+        real_save(m, path, *args, **kwargs)
         if should_fire(trainer.step):
             fire()
             os.kill(os.getpid(), signal.SIGKILL)  # the folder is half written: no marker, still .tmp-
