@@ -281,7 +281,8 @@ def make_sampler(durations: np.ndarray, dec_lens: np.ndarray, g: GlmAsrRecipeCon
                                  tokens=dec_lens, max_tokens=g.max_tokens, num_buckets=data.num_buckets,
                                  sort_pool=data.bucket_sort_pool, sync_buckets=data.sync_buckets,
                                  shuffle=data.shuffle and train, tail=data.tail if train else "exact",
-                                 seed=data.seed, world_size=world_size, rank=rank)
+                                 seed=data.seed, world_size=world_size, rank=rank,
+                                 bucket_budgets=data.bucket_budgets if train else None)  # from python -m ddptrain.tune
 
 
 def _loader(dataset, sampler, collate, data) -> DataLoader:

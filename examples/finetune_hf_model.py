@@ -39,11 +39,8 @@ Whisper on manifests: Whisper's log-mel of 30 s windows (``data.features: whispe
 ``data.max_duration / 30`` windows. Evaluation decodes greedily from that prefix (each rank its
 own length-sorted shard) and reports WER/CER as error counts summed over ranks.
 
-Speed (measured on H200, see BENCHMARKS.md "GPU: training throughput"): bf16 with
-``trainer.param_dtype=bf16`` (no weight casts, bf16 gradients) and ``compile.enabled=true``:
-Whisper-large-v3 41 windows/s on one GPU at batch 16 (37% MFU), 45-48 at batch 24 (39-40%),
-83-87 on two; wav2vec2-large 4,700-5,050 audio-s/s on two at ``data.max_duration=500`` (30 GB
-per GPU; the HF Trainer: 3,500 at 64 GB). The
+Speed: BENCHMARKS.md section (a) has the measured numbers (bf16 with
+``trainer.param_dtype=bf16`` and ``compile.enabled=true`` is the fastest setting measured). The
 whole-model compile fails in inductor on wav2vec2's SpecAugment (masked ``index_put``): compile
 its blocks (``compile.module_classes``) instead. Flash attention instead of cuDNN's was 11-13%
 slower. Keep shapes few (``data.pad_to_multiple`` for audio, ``hf.token_pad_multiple`` for
