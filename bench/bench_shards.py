@@ -8,8 +8,8 @@ disk, the same synthetic corpus read two ways through ``build_dataloader``:
    ``ddptrain.data.shards`` tar shards of 1,000 (windowed plan, ``data.shard_window`` 4, and the
    global plan, 0), with 1, 2 and 4 DataLoader workers, ``features: raw`` (decode only: the
    ``feature_device: gpu`` path, so the input pipeline is what is timed, not fbank). Each pass
-   is one whole epoch, *cold* (the corpus evicted from the page cache first, per file, with
-   ``POSIX_FADV_DONTNEED``: no root, no effect on other files) or warm (read just before).
+   reads an epoch from its start, *cold* (the corpus evicted from the page cache first, per file,
+   with ``POSIX_FADV_DONTNEED``: no root, no effect on other files) or warm (read just before).
    Reported: utterances/s, audio s/s, the workers' CPU time per utterance (``/proc/PID/stat``:
    on a shared machine wall time varies with the other jobs, CPU time much less), file opens
    (counted in the workers), read syscalls and bytes read from storage (``/proc/PID/io``: page-
@@ -23,12 +23,12 @@ disk, the same synthetic corpus read two ways through ``build_dataloader``:
 
 Run::
 
-    python bench/bench_shards.py                                   # BENCHMARKS.md numbers
+    python bench/bench_shards.py --warm                            # BENCHMARKS.md numbers
     python bench/bench_shards.py --utterances 2000 --workers 1     # a quick look
     python bench/bench_shards.py --plan-only
 
 Rows go to ``--out`` (JSON lines; one per measurement, with the machine and the date).
-The corpus lives under ``--root`` (default /tmp/bench_shards: ~3.5 GB for 10^5 utterances, files
+The corpus lives under ``--root`` (default /tmp/bench_shards: ~6 GB for 10^5 utterances, files
 plus shards) and is reused by later runs.
 """
 
