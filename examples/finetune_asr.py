@@ -4,6 +4,9 @@
     python examples/finetune_asr.py --config configs/asr_demo.yaml
     # stage 2: adapt to unseen accents, starting from the stage-1 weights
     python examples/finetune_asr.py --config configs/asr_demo_accent.yaml
+    # or replay the base voices too, each source a weighted share of every epoch (eval: wer/<source>)
+    python examples/finetune_asr.py --config configs/asr_demo_mix.yaml data.train_weights.accent=0.75 \
+        data.train_weights.base=0.25
     # the same on 2 processes (CPU: gloo; GPUs: nccl), or on your own data
     torchrun --nproc_per_node=2 examples/finetune_asr.py --config configs/asr_demo.yaml
     python examples/finetune_asr.py --config configs/asr_demo.yaml \\

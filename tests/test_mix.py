@@ -169,3 +169,15 @@ def test_the_recipe_reports_metrics_per_source():
     assert set(out) == {"wer", "cer", "wer/x", "cer/x", "wer/y", "cer/y"}
     del batch["sources"]
     assert set(CTCObjective(tok).error_counts(model, batch)) == {"wer", "cer"}
+
+
+def test_the_demo_mix_config_loads_and_takes_weights_from_the_command_line(monkeypatch):
+    import importlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "examples"))
+    schema = importlib.import_module("finetune_asr").ASRConfig
+    cfg = load_config(os.path.join(root, "configs", "asr_demo_mix.yaml"),
+                      ["data.train_weights.accent=0.25", "data.train_weights.base=0.75"], schema=schema)
+    assert cfg.data.train_weights == {"accent": 0.25, "base": 0.75}
+    assert list(cfg.data.train_sources) == list(cfg.data.eval_sources) == ["accent", "base"]
