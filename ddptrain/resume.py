@@ -5,13 +5,21 @@ another config is compared key by key:
 
 * refused (:data:`REFUSED`): keys the saved state means something else under — the precision
   and parameter dtype (loss-scaler state, master weights), the optimizer's kind and sharding
-  (its state's layout), and the data keys that define the epoch plan (the saved position would
-  point at other batches). The error names every such key, saved vs now.
-* applied: everything else. Optimizer hyperparameters (``optim.lr``, ``weight_decay``,
+  (its state's layout), the LoRA set-up (the saved adapters' layers, shapes and scaling, the
+  parameters a trainable-only checkpoint and the optimizer state cover), and the data keys that
+  define the epoch plan (the saved position would point at other batches): the data set, named
+  sources and their weights (each source's share of every epoch), shard windows, bucketing. The
+  error names every such key, saved vs now.
+* applied: everything else. ``lora.dropout`` and ``data.eval_sources`` (evaluation only) among
+  them, like ``data.eval_manifest``. Optimizer hyperparameters (``optim.lr``, ``weight_decay``,
   betas, ...) are re-applied over the checkpoint's from the resumed step on; the LR schedule
   keeps the horizon of the run that started it, so a new ``trainer.max_steps`` lengthens or
   shortens the run without re-stretching the schedule (past its end the rate stays at the
   floor); ``scheduler.*`` keys reshape it from the resumed step on.
+
+A dict-valued key (``data.train_weights``, ``data.train_sources``: tables keyed by source name)
+is compared entry by entry: a change of one weight is the key ``data.train_weights.accent``
+(a name with a dot in it: ``data.train_weights[en.us]``), refused or recorded as its table is.
 
 The run folder's ``config.yaml`` is written once, when the run starts; every resume that
 changes keys appends a comment block to it (the file still loads as the starting config), and
@@ -20,11 +28,13 @@ each checkpoint holds the config it was saved under.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from ddptrain.config import ConfigError
 
@@ -44,32 +54,99 @@ REFUSED = {
     "data.shuffle": "the saved data position indexes this epoch plan",
     "data.tail": "the saved data position indexes this epoch plan",
     "data.speed_perturb": "the batch budget (and so the epoch plan) depends on the slowest speed",
+    "data.train_sources": "the saved data position indexes this data set (these sources)",
+    "data.train_weights": "the saved data position indexes this epoch plan (each source's share of every epoch)",
+    "data.shard_window": "the saved data position indexes this epoch plan (batches planned within shard windows)",
+    "lora.enabled": "the saved weights and optimizer state hold (or lack) the adapters",
+    "lora.targets": "the saved adapters and their optimizer state belong to these layers",
+    "lora.rank": "the saved adapters and their optimizer state have this rank's shapes",
+    "lora.alpha": "the saved adapters were trained under the scaling alpha / rank: another alpha changes what they add",
+    "lora.trainable": "the saved trainable-only weights and the optimizer state cover exactly these parameters",
 }
+# allowed and recorded, though close to the refused ones: lora.dropout (a training-time
+# regularizer, no saved state), data.eval_sources (evaluation only, as data.eval_manifest)
 # keys that differ between a run and its resume by their nature
 IGNORED = ("checkpoint.resume", "checkpoint.start_over")
 
 
-def flatten(cfg: Any) -> dict:
-    """``{"section.key": value}`` of a config object or a YAML text."""
-    node = OmegaConf.create(cfg) if isinstance(cfg, str) else OmegaConf.structured(cfg)
+def flatten(cfg: Any, tables: frozenset = frozenset()) -> dict:
+    """``{"section.key": value}`` of a config object or a YAML text.
+
+    Sections (dataclasses) are walked; every other value is a leaf, a dict-valued key
+    (``data.train_weights``) included: its table is one value, which :func:`changes` compares
+    entry by entry. A YAML text has no types, so ``tables`` names its dict-valued keys (any other
+    mapping in it is taken for a section).
+    """
+    if isinstance(cfg, str):
+        node = OmegaConf.create(cfg)
+        walk_into = lambda path: path not in tables  # noqa: E731
+    else:
+        node = OmegaConf.structured(cfg)
+        walk_into = set(_section_paths(node, "")).__contains__
     out: dict = {}
 
     def walk(d, prefix):
         for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
+            path = f"{prefix}{k}"
+            if isinstance(v, Mapping) and walk_into(path):
+                walk(v, f"{path}.")
             else:
-                out[f"{prefix}{k}"] = v
+                out[path] = v
 
     walk(OmegaConf.to_container(node, resolve=True), "")
     return out
 
 
+def _section_paths(node: DictConfig, prefix: str):
+    """The dotted paths of a structured config's sections (its dataclass-typed nodes)."""
+    for k in node.keys():
+        if not OmegaConf.is_missing(node, k) and dataclasses.is_dataclass(OmegaConf.get_type(node, k)):
+            yield f"{prefix}{k}"
+            yield from _section_paths(node[k], f"{prefix}{k}.")
+
+
+def _entry(table: str, name: Any) -> str:
+    """The key of one entry of a dict-valued key: ``table.name``, or ``table[name]`` for a name
+    that a dotted path would split."""
+    name = str(name)
+    return f"{table}[{name}]" if not name or any(c in name for c in ".[]") else f"{table}.{name}"
+
+
+def _diff(key: str, old: Any, new: Any, out: dict) -> None:
+    """Add ``key: (old, new)`` to ``out`` if they differ; tables (dicts; missing = {}) entry by
+    entry, so one changed weight is its own key."""
+    if old == new:
+        return
+    if isinstance(old, Mapping) or isinstance(new, Mapping):
+        if all(v is None or isinstance(v, Mapping) for v in (old, new)):
+            old, new = old or {}, new or {}
+            for name in sorted(set(old) | set(new), key=str):
+                _diff(_entry(key, name), old.get(name), new.get(name), out)
+            return
+    out[key] = (old, new)
+
+
 def changes(saved_yaml: str, config: Any) -> dict:
-    """``{key: (saved, now)}`` for every key whose value differs (missing on one side: None)."""
-    old, new = flatten(saved_yaml), flatten(config)
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if k not in IGNORED and old.get(k) != new.get(k)}
+    """``{key: (saved, now)}`` for every key whose value differs (missing on one side: None).
+
+    A dict-valued key differs entry by entry: ``{"data.train_weights.accent": (0.5, 0.25)}``.
+    """
+    new = flatten(config)
+    old = flatten(saved_yaml, frozenset(k for k, v in new.items() if isinstance(v, Mapping)))
+    out: dict = {}
+    for k in sorted(set(old) | set(new)):
+        if k not in IGNORED:
+            _diff(k, old.get(k), new.get(k), out)
+    return out
+
+
+def refused(key: str) -> Optional[str]:
+    """Why ``key`` (a diff key of :func:`changes`) may not change on resume, or None. An entry
+    of a dict-valued key (``data.train_weights.accent``) is refused as its key is."""
+    for k, why in REFUSED.items():
+        if key == k or key.startswith((f"{k}.", f"{k}[")):
+            return why
+    return None
 
 
 def check(diff: dict, checkpoint: str) -> None:
@@ -78,7 +155,7 @@ def check(diff: dict, checkpoint: str) -> None:
     Raises:
         ConfigError: naming each refused key, its saved and new value, and why.
     """
-    bad = [f"  {k}: saved {old!r}, now {new!r} ({REFUSED[k]})" for k, (old, new) in diff.items() if k in REFUSED]
+    bad = [f"  {k}: saved {old!r}, now {new!r} ({refused(k)})" for k, (old, new) in diff.items() if refused(k)]
     if bad:
         raise ConfigError(f"cannot resume {checkpoint} with these keys changed:\n" + "\n".join(bad)
                           + "\nset them back to the saved values, or start a new run from the weights "

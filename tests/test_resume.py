@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ddptrain
+from ddptrain import resume
+from ddptrain.config import to_yaml
 from ddptrain.data import DurationBucketSampler
 from _dist import run_ranks
 from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
@@ -123,3 +126,69 @@ def test_unchanged_resume_appends_nothing(tmp_path):
     _run(tmp_path, 2, "checkpoint.resume=auto", "checkpoint.every_steps=1")
     # max_steps equal, nothing else changed: the record stays as it was
     assert (tmp_path / "config.yaml").read_text() == before
+
+
+def test_a_changed_lora_rank_is_refused_by_name(tmp_path):
+    lora = ("lora.enabled=true", "lora.targets=[net.0]", "lora.rank=2")
+    _run(tmp_path, 2, *lora)
+    with pytest.raises(ddptrain.ConfigError, match=r"lora.rank: saved 2, now 4 \(the saved adapters"):
+        _run(tmp_path, 4, "checkpoint.resume=auto", *lora, "lora.rank=4")
+
+
+def _mix_config(**data):
+    cfg = ddptrain.Config()
+    cfg.data.train_sources = {"accent": "a/train.jsonl", "base": "b/shards/"}
+    cfg.data.train_weights = {"accent": 0.5, "base": 0.5}
+    cfg.data.eval_sources = {"accent": "a/dev.jsonl"}
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("key, value", [
+    ("lora.enabled", True), ("lora.targets", ["*.q_proj"]), ("lora.rank", 8), ("lora.alpha", 8.0),
+    ("lora.trainable", ["head.*"]), ("data.shard_window", 0),
+    ("data.train_sources", {"accent": "a/train.jsonl", "base": "c/shards/"}),
+    ("data.train_weights", {"accent": 0.25, "base": 0.75})])
+def test_lora_and_mix_keys_that_change_the_saved_state_are_refused(key, value):
+    saved, now = _mix_config(), _mix_config()
+    section, leaf = key.split(".")
+    setattr(getattr(now, section), leaf, value)
+    diff = resume.changes(to_yaml(saved), now)
+    assert diff and all(k == key or k.startswith(key + ".") for k in diff)
+    with pytest.raises(ddptrain.ConfigError, match=re.escape(key)):
+        resume.check(diff, "ckpt")
+
+
+def test_lora_dropout_and_eval_sources_may_change_and_are_recorded(tmp_path):
+    saved = _mix_config()
+    now = _mix_config(eval_sources={"accent": "a/dev.jsonl", "base": "b/dev.jsonl"})
+    now.lora.dropout = 0.1
+    diff = resume.changes(to_yaml(saved), now)
+    assert diff == {"data.eval_sources.base": (None, "b/dev.jsonl"), "lora.dropout": (0.0, 0.1)}
+    resume.check(diff, "ckpt")  # allowed
+    resume.record(str(tmp_path), to_yaml(saved), None, {})
+    resume.record(str(tmp_path), to_yaml(now), 10, diff)
+    text = (tmp_path / "config.yaml").read_text()
+    assert "#   data.eval_sources.base: None -> 'b/dev.jsonl'" in text and "#   lora.dropout: 0.0 -> 0.1" in text
+
+
+def test_one_changed_weight_is_reported_as_its_own_key_and_refused():
+    saved = _mix_config()
+    diff = resume.changes(to_yaml(saved), _mix_config(train_weights={"accent": 0.25, "base": 0.5}))
+    assert diff == {"data.train_weights.accent": (0.5, 0.25)}
+    with pytest.raises(ddptrain.ConfigError, match=r"data.train_weights.accent: saved 0.5, now 0.25 \(.*share"):
+        resume.check(diff, "ckpt")
+    # weights given where there were none (by size): every new entry is a change, and refused
+    diff = resume.changes(to_yaml(_mix_config(train_weights={})), saved)
+    assert diff == {"data.train_weights.accent": (None, 0.5), "data.train_weights.base": (None, 0.5)}
+    with pytest.raises(ddptrain.ConfigError, match=r"data.train_weights.base: saved None, now 0.5"):
+        resume.check(diff, "ckpt")
+    # a source name with a dot in it stays one name
+    dotted = _mix_config(train_sources={"en.us": "a/train.jsonl"}, train_weights={"en.us": 1.0})
+    diff = resume.changes(to_yaml(dotted), _mix_config(train_sources={"en.us": "a/train.jsonl"},
+                                                       train_weights={"en.us": 2.0}))
+    assert diff == {"data.train_weights[en.us]": (1.0, 2.0)}
+    with pytest.raises(ddptrain.ConfigError, match=re.escape("data.train_weights[en.us]: saved 1.0, now 2.0")):
+        resume.check(diff, "ckpt")
+    assert resume.changes(to_yaml(saved), saved) == {}
