@@ -485,3 +485,41 @@ def test_synchronised_plans_keep_the_sampler_contract_on_random_setups(seed):
         s2.load_state_dict(state)
         rest += [i for b in s2 for i in b]
     assert sorted(consumed + rest) == list(range(n))
+
+
+class HalvedBatches(DurationBucketSampler):
+    """A subclass with its own deal: every batch of the base plan cut in two (twice the batches)."""
+
+    def _base_batches(self, epoch, group):
+        return [half for b in super()._base_batches(epoch, group) for half in np.array_split(b, 2) if half.size]
+
+
+def test_a_reshard_recomputes_the_old_deal_with_the_subclass_own_plan():
+    kw = dict(max_duration=150, seed=6, sync_buckets=False)
+    base_len = len(DurationBucketSampler(DURS, world_size=2, rank=0, **kw))
+    k = base_len + 3  # a position only the subclass's plan reaches
+    consumed = []
+    for r in range(2):
+        s = HalvedBatches(DURS, world_size=2, rank=r, **kw)
+        it = iter(s)
+        consumed += [i for _ in range(k) for i in next(it)]
+        state = s.state_dict()
+    rest = []
+    for r in range(3):
+        s = HalvedBatches(DURS, world_size=3, rank=r, **kw)
+        s.load_state_dict(state)  # the old deal is HalvedBatches' at world size 2, not the base class's
+        rest += [i for b in s for i in b]
+    assert sorted(consumed + rest) == list(range(len(DURS)))
+
+
+def test_a_reshard_checks_the_position_against_a_weighted_mix_plan():
+    from ddptrain.data.mix import WeightedMixSampler
+
+    sources = np.arange(len(DURS)) % 2
+    kw = dict(max_duration=150, seed=1, world_size=2)
+    s = WeightedMixSampler(DURS, sources, [1.0, 0.2], ["a", "b"], rank=0, **kw)  # "b" sparse: a short epoch
+    assert len(s) < len(DurationBucketSampler(DURS, rank=0, **kw))
+    state = {**s.state_dict(), "position": len(s) + 1}  # past the mix's epoch, inside the base plan's
+    new = WeightedMixSampler(DURS, sources, [1.0, 0.2], ["a", "b"], max_duration=150, seed=1, world_size=3, rank=0)
+    with pytest.raises(ValueError, match="outside epoch"):
+        new.load_state_dict(state)

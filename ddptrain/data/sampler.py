@@ -533,7 +533,7 @@ class DurationBucketSampler(Sampler):
         self._history = history = [h for h in history if h[0] == epoch]
         if world_size != self.world_size:
             # reshard: the old ranks' remaining batches are re-dealt over this world size
-            old = DurationBucketSampler.__new__(DurationBucketSampler)
+            old = type(self).__new__(type(self))  # a subclass (shard windows, a mix) re-deals by its own plan
             old.__dict__.update(self.__dict__)
             old.world_size, old.rank, old._plan_cache = world_size, 0, None
             self._check_position(old, position)
