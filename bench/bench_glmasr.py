@@ -134,7 +134,7 @@ class StatsCollate:
         feats = b["features"]
         logits = bsz * length if self.hf else b["labels"].numel()
         stats = {"n": bsz, "audio_s": float(sum(e["audio"].numel() for e in examples)) / SR,
-                 "frames": feats.shape[1], "length": length,
+                 "rows": feats.shape[0], "frames": feats.shape[1], "length": length,
                  "flops": self.flops(feats.shape[0], feats.shape[1], bsz, length, logits)}
         if not self.hf:
             b["stats"] = stats
@@ -197,7 +197,7 @@ def tiny_tokens() -> dict:
 
 
 def run_ddptrain(args) -> dict:
-    cfg = recipe_cfg(args, OVERRIDES[args.peer] + list(args.ov))
+    cfg = recipe_cfg(args, OVERRIDES[args.base] + list(args.ov))
     info = ddptrain.setup_distributed(cfg)
     tiny = tiny_tokens() if args.preset == "tiny" else None
     from models.glmasr import GlmAsrForTraining, load_hf_model
@@ -214,8 +214,10 @@ def run_ddptrain(args) -> dict:
     objective = fg.GlmAsrObjective(layout, None, loader.feature_extractor)
     calls = []
 
+    graphs = torch._dynamo.utils.counters["stats"]
+
     def timed(m, batch):
-        calls.append((time.perf_counter(), batch.pop("stats")))
+        calls.append((time.perf_counter(), batch.pop("stats"), graphs["unique_graphs"]))
         return objective(m, batch)
 
     reset_peak()
@@ -227,11 +229,30 @@ def run_ddptrain(args) -> dict:
     logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
-             "ov": OVERRIDES[args.peer] + list(args.ov), "data_wait_frac": waits,
-             "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"]}
+             "ov": OVERRIDES[args.base] + list(args.ov), "data_wait_frac": waits,
+             "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
+             **step_record(calls, w, n)}
     if args.profile:
         extra["profile"] = profile_steps(trainer, loader)
-    return summarize(args, elapsed, [s for _, s in calls[w:w + n]], extra)
+    return summarize(args, elapsed, [c[1] for c in calls[w:w + n]], extra)
+
+
+def step_record(calls: list, w: int, n: int) -> dict:
+    """Per timed step: host ms, shape (rows x frames, decoder length), whether the run saw that
+    shape for the first time, and dynamo graphs compiled in it (is a slow step a new shape?)."""
+    seen, out = set(), {"step_ms": [], "step_shape": [], "step_new_shape": [], "step_new_graphs": []}
+    for i in range(w + n):
+        t, s, g = calls[i]
+        shape = f"{s['rows']}x{s['frames']},{s['length']}"
+        if i >= w:
+            out["step_ms"].append(round(1e3 * (calls[i + 1][0] - t), 1))
+            out["step_shape"].append(shape)
+            out["step_new_shape"].append(shape not in seen)
+            out["step_new_graphs"].append(calls[i + 1][2] - g)
+        seen.add(shape)
+    if torch.cuda.is_available():
+        out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    return out
 
 
 def profile_steps(trainer, loader, steps: int = 2) -> dict:
@@ -249,7 +270,7 @@ def profile_steps(trainer, loader, steps: int = 2) -> dict:
         wall = time.perf_counter() - t0
     kernels: dict = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name:  # not annotations (double counts)
             kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / steps  # ms per step
     cats: dict = {}
     for name, ms in kernels.items():
@@ -261,8 +282,10 @@ def profile_steps(trainer, loader, steps: int = 2) -> dict:
         cats[cat] = cats.get(cat, 0.0) + ms
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     return {"step_ms": 1e3 * wall / steps, "gpu_busy_ms": busy, "categories_ms": {k: round(v, 2) for k, v in cats.items()},
-            "top_kernels_ms": [[k[:90], round(v, 2)] for k, v in top]}
+            "top_kernels_ms": [[k[:90], round(v, 2)] for k, v in top],
+            "host_self_ms": [[e.key[:60], round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host]}
 
 
 def run_bare(args) -> dict:
@@ -323,9 +346,9 @@ def run_hf(args) -> dict:
                 record["t"][state.global_step] = time.perf_counter()
 
     extra_args = {}
-    if args.peer == "hf_compile":
+    if args.base == "hf_compile":
         extra_args["torch_compile"] = True
-    if args.peer == "hf_ds2":
+    if args.base == "hf_ds2":
         extra_args["deepspeed"] = {  # no "optimizer" block: the HF Trainer's torch AdamW, no DeepSpeed ops
             "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                                   "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
@@ -392,11 +415,21 @@ def run_data(args) -> dict:
 PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare, "data": run_data}
 
 
+NO_CUDNN = "_nocudnn"  # suffix: the same peer with cuDNN's SDPA off (PyTorch's flash / efficient kernels)
+
+
+def base_peer(peer: str) -> str:
+    return peer[:-len(NO_CUDNN)] if peer.endswith(NO_CUDNN) else peer
+
+
 def run_one(args) -> dict:
-    if args.peer in PEERS:
-        return PEERS[args.peer](args)
-    if args.peer in OVERRIDES or args.peer.startswith("ddptrain"):
-        OVERRIDES.setdefault(args.peer, [])
+    args.base = base_peer(args.peer)
+    if args.base != args.peer:  # cuDNN builds an attention plan per new shape, on the host
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.base in PEERS:
+        return PEERS[args.base](args)
+    if args.base in OVERRIDES or args.base.startswith("ddptrain"):
+        OVERRIDES.setdefault(args.base, [])
         return run_ddptrain(args)
     raise ValueError(f"unknown peer {args.peer!r} (known: {sorted(PEERS) + sorted(OVERRIDES)})")
 
@@ -437,11 +470,11 @@ def main(argv=None) -> int:
                    "--steps", str(args.steps), "--workers", str(args.workers)] + (["--profile"] if args.profile else [])
             cmd += [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ)
-            if peer == "hf_ds2":  # DeepSpeed wants a process group: one rank of torchrun's env
+            if base_peer(peer) == "hf_ds2":  # DeepSpeed wants a process group: one rank of torchrun's env
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             tic = time.time()
             try:
-                limit = args.hf_compile_timeout if peer == "hf_compile" else args.timeout
+                limit = args.hf_compile_timeout if base_peer(peer) == "hf_compile" else args.timeout
                 proc = subprocess.run(cmd, env=env, timeout=limit, capture_output=True, text=True)
                 ok = proc.returncode == 0 and os.path.exists(row_file)
                 row = json.load(open(row_file)) if ok else {
