@@ -29,9 +29,9 @@ run that wrote it (``run_id``): a run never overwrites or prunes another run's c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -42,39 +42,20 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddptrain import dist
+from ddptrain.checkpoint_files import (COMPLETE, HEADER_BASE_FINGERPRINT, HEADER_BASE_MODEL, HEADER_LORA_SCALINGS,
+                                       HEADER_TRAINABLE_ONLY, STEP_DIR, CheckpointError, checkpoint_root,
+                                       find_latest, list_complete, resolve_base, weights_file, weights_info)
+from ddptrain.loading import load_pretrained
+from ddptrain.lora import add_adapters, lora_scalings
 
-COMPLETE = "COMPLETE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the path."""
+# the read-only half of the layout lives in checkpoint_files.py; its names are this module's too
+__all__ = ["CheckpointError", "COMPLETE", "checkpoint_root", "list_complete", "find_latest", "check_writable",
+           "unwrap", "save_weights", "weights_file", "read_weights", "trainable_keys", "base_fingerprint",
+           "weights_to_save", "weights_info", "resolve_base", "resume_keys", "load_weights", "apply_weights",
+           "save", "read_meta", "resolve", "load", "prune"]
 
 
 # ----------------------------------------------------------------------------- paths
-
-
-def checkpoint_root(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
-
-
-def list_complete(root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every complete checkpoint under ``root``, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, COMPLETE)):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-def find_latest(root: str) -> Optional[str]:
-    """The newest complete checkpoint, or None. Half-written (``.tmp-``) folders never count."""
-    found = list_complete(root)
-    return found[-1][1] if found else None
 
 
 def check_writable(path: str, min_free_gb: float) -> None:
@@ -130,23 +111,6 @@ def save_weights(model: Union[nn.Module, dict], path: str, metadata: Optional[di
     save_file(state, path, metadata={"format": "pt", "writer": "ddptrain", **(metadata or {})})
 
 
-def weights_file(path: str) -> str:
-    """The weights file ``path`` names: the file itself, a checkpoint folder's
-    ``model.safetensors``, or that of a run folder's newest complete checkpoint.
-
-    Raises:
-        CheckpointError: no such file.
-    """
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "model.safetensors")):
-        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
-        path = latest if latest else path
-    if os.path.isdir(path):
-        path = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"weights file not found: {path}")
-    return path
-
-
 def read_weights(path: str) -> tuple[str, dict]:
     """``(file, tensors by name)`` of saved weights: ``path`` is a file, a checkpoint folder or
     a run folder, as in :func:`load_weights`.
@@ -159,11 +123,6 @@ def read_weights(path: str) -> tuple[str, dict]:
         return path, load_file(path)
     except Exception as e:
         raise CheckpointError(f"cannot read weights {path}: {e}") from e
-
-
-# A trainable-only weights file (checkpoint.trainable_only) says so in its safetensors header:
-_ONLY, _BASE, _PRINT, _LORA = "ddptrain.trainable_only", "ddptrain.base_model", "ddptrain.base_fingerprint", \
-    "ddptrain.lora_scalings"
 
 
 def trainable_keys(module: nn.Module) -> set:
@@ -179,8 +138,6 @@ def trainable_keys(module: nn.Module) -> set:
 def base_fingerprint(module: nn.Module) -> str:
     """A cheap fingerprint of the frozen parameters (names, shapes and the bf16-rounded sum of the
     first 1024 values of each): enough to tell that a resume runs on another base model."""
-    import hashlib
-
     frozen = [(n, p) for n, p in sorted(unwrap(module).named_parameters()) if not p.requires_grad]
     if not frozen:
         return ""
@@ -202,38 +159,15 @@ def weights_to_save(module: nn.Module, master=None, trainable_only: bool = False
     """
     weights = master.state_dict(module) if master is not None else module.state_dict()
     header = {}
-    from ddptrain.lora import lora_scalings
-
     scalings = lora_scalings(module)
     if scalings:  # lets load_weights add the adapters to a plain model, and export merge them
-        header[_LORA] = json.dumps(scalings)
+        header[HEADER_LORA_SCALINGS] = json.dumps(scalings)
     if trainable_only:
         keep = trainable_keys(module)
         weights = {k: v for k, v in weights.items() if k in keep}
-        header.update({_ONLY: "true", _BASE: os.path.abspath(base_model), _PRINT: base_fingerprint(module)})
+        header.update({HEADER_TRAINABLE_ONLY: "true", HEADER_BASE_MODEL: os.path.abspath(base_model),
+                       HEADER_BASE_FINGERPRINT: base_fingerprint(module)})
     return weights, header
-
-
-def weights_info(path: str) -> dict:
-    """What a weights file's header says: ``trainable_only``, ``base_model``,
-    ``base_fingerprint``, ``lora_scalings`` (layer -> alpha / r)."""
-    from ddptrain.loading import SafetensorsSource
-
-    meta = SafetensorsSource(weights_file(path)).metadata
-    return {"trainable_only": meta.get(_ONLY) == "true", "base_model": meta.get(_BASE, ""),
-            "base_fingerprint": meta.get(_PRINT, ""), "lora_scalings": json.loads(meta.get(_LORA, "{}"))}
-
-
-def resolve_base(base: str, file: str) -> str:
-    """The base model a trainable-only ``file`` names, checked to exist.
-
-    Raises:
-        CheckpointError: it does not (moved or deleted): pass ``base=`` to :func:`load_weights`.
-    """
-    if not base or not os.path.exists(base):
-        raise CheckpointError(f"{file} holds the trainable parameters only; its base model {base!r} is not there. "
-                              "Pass the base weights: ddptrain.load_weights(model, path, base=...)")
-    return base
 
 
 def resume_keys(module: nn.Module, file: str) -> Optional[set]:
@@ -280,9 +214,6 @@ def load_weights(model: nn.Module, path: str, strict: bool = True, base: Optiona
         CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
             readable diff; a trainable-only checkpoint whose base model cannot be found.
     """
-    from ddptrain.loading import load_pretrained
-    from ddptrain.lora import add_adapters
-
     file = weights_file(path)
     info = weights_info(file)
     source, saved = read_weights(file)
@@ -455,7 +386,7 @@ def read_meta(path: str) -> dict:
         if list_complete(path) or list_complete(checkpoint_root(path)):
             raise CheckpointError(f"{path} is a folder of checkpoints (or a run folder), not one checkpoint: "
                                   f"pass one of its step_* folders, or resume=auto with this trainer.output_dir")
-        if _STEP_DIR.match(os.path.basename(os.path.normpath(path))) or os.path.basename(path).startswith(".tmp-"):
+        if STEP_DIR.match(os.path.basename(os.path.normpath(path))) or os.path.basename(path).startswith(".tmp-"):
             raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker): it was "
                                   "interrupted while being written; use an earlier one")
         raise CheckpointError(f"{path} is not a ddptrain checkpoint (no {COMPLETE} marker, not a step_* folder)")

@@ -31,11 +31,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
+
+from ddptrain.checkpoint_files import CheckpointError, read_header, weights_file
+from ddptrain.precision import KEEP_FP32
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -44,12 +47,6 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 INDEX = "model.safetensors.index.json"
 
 __all__ = ["SafetensorsSource", "empty_weights", "load_pretrained", "write_shards", "DTYPES"]
-
-
-def _error(msg: str) -> Exception:
-    from ddptrain.checkpoint import CheckpointError  # checkpoint.py imports this module lazily
-
-    return CheckpointError(msg)
 
 
 def _files(path: str) -> list[str]:
@@ -63,14 +60,12 @@ def _files(path: str) -> list[str]:
                 with open(index) as f:
                     shards = sorted(set(json.load(f)["weight_map"].values()))
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise _error(f"cannot read the shard index {index}: {type(e).__name__}: {e}") from e
+                raise CheckpointError(f"cannot read the shard index {index}: {type(e).__name__}: {e}") from e
             return [os.path.join(path, s) for s in shards]
         if os.path.isfile(os.path.join(path, "model.safetensors")):
             return [os.path.join(path, "model.safetensors")]
-        from ddptrain.checkpoint import weights_file
-
         return [weights_file(path)]  # a checkpoint or run folder (raises if there are no weights)
-    raise _error(f"weights not found: {path}")
+    raise CheckpointError(f"weights not found: {path}")
 
 
 class SafetensorsSource:
@@ -90,19 +85,11 @@ class SafetensorsSource:
         self.metadata: dict[str, str] = {}
         self._handles: dict[str, object] = {}
         for file in _files(path):
-            try:
-                with open(file, "rb") as f:
-                    (n,) = struct.unpack("<Q", f.read(8))
-                    if n > os.path.getsize(file) - 8:
-                        raise ValueError(f"header length {n} exceeds the file: not a safetensors file")
-                    header = json.loads(f.read(n))
-            except (OSError, ValueError, struct.error) as e:
-                raise _error(f"cannot read weights {file}: {type(e).__name__}: {e}") from e
-            base = 8 + n
-            self.metadata.update(header.pop("__metadata__", None) or {})
+            header, metadata, base = read_header(file)
+            self.metadata.update(metadata)
             for name, e in header.items():
                 if e["dtype"] not in _ST_DTYPES:
-                    raise _error(f"{file}: tensor {name} has dtype {e['dtype']}, which ddptrain cannot read")
+                    raise CheckpointError(f"{file}: tensor {name} has dtype {e['dtype']}, which ddptrain cannot read")
                 begin, end = e["data_offsets"]
                 self.entries[name] = (file, _ST_DTYPES[e["dtype"]], tuple(e["shape"]), base + begin, base + end)
 
@@ -131,7 +118,7 @@ class SafetensorsSource:
         while done < end - start:  # readinto may return less than asked for
             got = f.readinto(view[done:])
             if not got:
-                raise _error(f"{file}: tensor {name} is cut short ({done} of {end - start} bytes)")
+                raise CheckpointError(f"{file}: tensor {name} is cut short ({done} of {end - start} bytes)")
             done += got
 
     def get(self, name: str) -> torch.Tensor:
@@ -147,7 +134,7 @@ class SafetensorsSource:
         into a contiguous CPU tensor of the stored dtype, else through one host buffer."""
         _, dtype, shape, _, _ = self.entries[name]
         if tuple(out.shape) != shape:
-            raise _error(f"{self.path}: tensor {name} has shape {shape}, the model's has {tuple(out.shape)}")
+            raise CheckpointError(f"{self.path}: tensor {name} has shape {shape}, the model's has {tuple(out.shape)}")
         if out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous():
             self._read(name, out)
         else:
@@ -227,8 +214,6 @@ def load_pretrained(model: nn.Module, path: str, *, dtype: Optional[torch.dtype]
         CheckpointError: missing/unexpected keys (strict), a shape mismatch, a parameter left on
             the meta device, or an unreadable file.
     """
-    from ddptrain.precision import KEEP_FP32
-
     device = torch.device(device) if device is not None else torch.device("cpu")
     keep32 = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
@@ -274,10 +259,10 @@ def load_pretrained(model: nn.Module, path: str, *, dtype: Optional[torch.dtype]
             if names:
                 more = " ..." if len(names) > 20 else ""
                 lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + more)
-        raise _error("\n".join(lines))
+        raise CheckpointError("\n".join(lines))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise _error(f"after loading {path}, {len(left)} tensors are still on the meta device (not in the file): "
+        raise CheckpointError(f"after loading {path}, {len(left)} tensors are still on the meta device (not in the file): "
                      f"{left[:10]}; initialise them before training")
     return {"loaded": loaded, "missing": sorted(missing), "unexpected": unexpected, "bytes": nbytes}
 
@@ -293,8 +278,6 @@ def write_shards(items: Iterable[tuple[str, torch.Tensor]], out_dir: str, max_sh
     Returns:
         The paths written.
     """
-    from safetensors.torch import save_file
-
     os.makedirs(out_dir, exist_ok=True)
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     parts, shard, size, total, weight_map = [], {}, 0, 0, {}
