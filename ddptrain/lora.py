@@ -50,6 +50,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ddptrain import checkpoint_files as ckpt
+from ddptrain.loading import DTYPES, SafetensorsSource, write_shards
+
 __all__ = ["LoRALinear", "apply_lora", "merge_lora", "unmerge_lora", "lora_state_dict", "merged_state_dict",
            "lora_scalings", "add_adapters", "export_merged"]
 
@@ -292,9 +295,6 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
     Raises:
         ddptrain.CheckpointError: the checkpoint or its base model cannot be read.
     """
-    from ddptrain import checkpoint as ckpt
-    from ddptrain.loading import DTYPES, SafetensorsSource, write_shards
-
     file = ckpt.weights_file(checkpoint)
     info = ckpt.weights_info(file)
     cast = DTYPES[dtype] if dtype else None
