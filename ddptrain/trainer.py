@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, resume, runfolder, tune
+from ddptrain import dist, resume, runfolder
+from ddptrain import preflight as tune  # before_fit: the checks before the first step
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
@@ -36,6 +37,7 @@ from ddptrain.optim import apply_hparams, build_optimizer, build_scheduler, opti
 from ddptrain.precision import MasterWeights, Precision
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
+from ddptrain.recompute import apply_recompute
 from ddptrain.sharded_masters import ShardedMasterWeights
 from ddptrain.steps import StepStream, stateful_sampler
 from ddptrain.update import StepUpdate
@@ -104,8 +106,6 @@ class Trainer:
         self.adapted = apply_lora(model, lc.targets, lc.rank, lc.alpha, lc.dropout, lc.trainable) if lc.enabled else []
         self.recomputed: list[str] = []
         if cfg.recompute.enabled:
-            from ddptrain.recompute import apply_recompute
-
             self.recomputed = apply_recompute(model, cfg.recompute)
         self.compiled = apply_compile(model, cfg.compile)  # regional: selected blocks only
         self.master: Optional[MasterWeights] = None
