@@ -17,7 +17,10 @@ The audio is encoded to VAE latents once (examples/prepare_tts.py, run here on r
 no-op when the cache is current), so training reads small latent files and the VAE never enters
 the trained module. Batches come from ``DurationBucketSampler``: ``data.max_duration`` budgets
 padded seconds of *latent* audio per batch (batch size x the longest utterance's latent frames /
-the VAE's frame rate), and ``tts.max_text_tokens`` caps batch size x the longest text.
+the VAE's frame rate), and ``tts.max_text_tokens`` caps batch size x the longest text. An
+utterance that cannot be batched (longer than the model's ``max_length`` positions, or alone over
+either budget) is named with its manifest line; ``data.bad_data`` decides (``error``: list them all
+and stop; ``skip``: leave them out), through ``ddptrain.data.validate``'s bad-data report.
 
 The loss contract: ``loss_fn -> (loss_sum, latent frames)``. Upstream's forward returns two means
 per batch: the flow-matching error averaged over the loss-masked latent frames, and the stop
@@ -56,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ddptrain  # noqa: E402
 from ddptrain.data import DataError, DurationBucketSampler, Problem  # noqa: E402
+from ddptrain.data.validate import finish_report  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 from prepare_tts import CachedUtterance, prepare, read_cache  # noqa: E402
 
@@ -218,26 +222,42 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     """Cached utterances -> a bucketed DataLoader of TTS batches.
 
     Raises:
-        DataError: an utterance whose sequence (text + patches + 2) exceeds the model's
-            ``max_length`` (named with its manifest line; ``data.bad_data: skip`` drops it), or
-            no utterance left.
+        DataError: under ``data.bad_data: error``, every utterance that cannot be batched, named
+            with its manifest line (``skip`` leaves them out and prints them on rank 0): its
+            sequence (text + patches + 2) exceeds the model's ``max_length``, its latent audio
+            alone exceeds ``data.max_duration`` or its text alone ``tts.max_text_tokens``; or no
+            utterance left.
     """
     data, t = cfg.data, cfg.tts
     rate = vt.frame_rate(layout.audio_vae_config)
-    keep, ids, problems = [], [], []
+    source = utts[0].source if utts else "(no manifest)"
+    ids, problems = {}, []
     for u in utts:
-        x = tokenizer(u.text)
+        x = ids[u.id] = tokenizer(u.text)
         n = len(x) + u.frames // layout.patch_size + 2
         if n > layout.max_length:
             problems.append(Problem(u.source, u.line, u.id, f"{n} positions (text + latent patches + 2) exceed the "
                                     f"model's max_length {layout.max_length}"))
-        else:
-            keep.append(u)
-            ids.append(x)
-    if problems and data.bad_data == "error":
-        raise DataError.from_problems(f"{len(problems)} utterance(s) are too long for the model", problems)
+        audio_s = u.frames / rate
+        if audio_s > data.max_duration:  # the sampler would refuse it, named by index only
+            problems.append(Problem(u.source, u.line, u.id, f"too long: {audio_s:.2f}s of latent audio does not fit "
+                                    f"in a batch of max_duration={data.max_duration}s"))
+        if 0 < t.max_text_tokens < len(x):
+            problems.append(Problem(u.source, u.line, u.id, f"too long: {len(x)} text tokens do not fit in a batch of "
+                                    f"tts.max_text_tokens={t.max_text_tokens}"))
+    # the shared bad-data handling (ddptrain/data/validate.py): one problem per line, in manifest
+    # order, the bad ones dropped; the policy is applied here, with a headline that fits these checks
+    report = finish_report(utts, problems, "skip")
+    if report.problems and data.bad_data == "error":
+        raise DataError.from_problems(f"{source}: {report.summary()} for this model and batch budget "
+                                      "(data.bad_data=skip leaves them out):", report.problems)
+    if report.problems and rank == 0:
+        print(f"{source}: skipped {report.num_skipped} of {report.num_total} utterance(s) (data.bad_data=skip):\n"
+              + "\n".join(f"  {p}" for p in report.problems))
+    keep = report.entries
     if not keep:
-        raise DataError("no utterances left to train or evaluate on")
+        raise DataError(f"no utterances left in {source} to train or evaluate on")
+    ids = [ids[u.id] for u in keep]
     seconds = np.array([u.frames / rate for u in keep])
     sampler = DurationBucketSampler(seconds, max_duration=data.max_duration, max_batch_size=data.max_batch_size,
                                     tokens=np.array([len(x) for x in ids], dtype=np.float64),

@@ -16,8 +16,10 @@ trained module never holds it. For ``DIR/NAME.jsonl`` the cache is the folder ``
 
 Rerunning is a no-op when nothing changed (no file is written, the VAE is not even loaded);
 utterances whose audio changed, or that are new, are encoded; a different VAE or patch size
-starts the cache over. An unreadable or corrupt audio file is named with its manifest line
-(``data.bad_data: error`` stops after listing every bad one, ``skip`` leaves them out).
+starts the cache over. Bad data is handled as ``ddptrain.data.validate`` handles it, each case
+named by manifest file and line in its words: malformed lines and duplicate ids (found before
+anything is encoded), then missing, unreadable, corrupt or zero-length audio (found by encoding);
+``data.bad_data: error`` stops after listing every bad one, ``skip`` leaves them out of the cache.
 examples/finetune_tts.py runs this itself on rank 0 before training (a no-op once done).
 """
 
@@ -35,8 +37,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ddptrain.data import DataError, Problem, load_audio, load_manifest  # noqa: E402
+from ddptrain.data import DataError, Problem, load_audio  # noqa: E402
 from ddptrain.data.audio import AudioError  # noqa: E402
+from ddptrain.data.validate import _entries_of, finish_report  # noqa: E402
 
 CACHE_FORMAT = "ddptrain-tts-latents/1"
 
@@ -114,16 +117,20 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
         ``{"dir", "encoded", "reused", "skipped", "written"}`` (``written``: whether any file changed).
 
     Raises:
-        DataError: a malformed manifest line, or unreadable/corrupt audio under ``bad_data: error``
-            (every such utterance named with its manifest line and file).
+        DataError: under ``bad_data: error``, malformed manifest lines or duplicate ids (before
+            anything is encoded), or unreadable/corrupt audio (every such utterance named with its
+            manifest line and file). ``skip`` leaves them all out of the cache.
     """
     folder = cache_dir(manifest)
-    entries = load_manifest(manifest)
+    # the shared manifest checks and policy (ddptrain/data/validate.py): bad lines and duplicate
+    # ids are named by file:line, and under bad_data=error stop the run before any encoding
+    entries, problems = _entries_of(manifest)
+    usable = finish_report(entries, problems, bad_data).entries
     meta = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
     old_meta = _read_json(os.path.join(folder, "meta.json"))
     old = _read_index(os.path.join(folder, "index.jsonl")) if old_meta == meta else {}
-    rows, todo, problems, skipped = [], [], [], 0
-    for e in entries:
+    rows, todo, unreadable = [], [], []
+    for e in usable:
         key, prev = _audio_key(e), old.get(e.id)
         if prev is not None and prev.get("audio") == key and os.path.isfile(os.path.join(folder, prev["latent"])):
             rows.append({**prev, "text": e.text, "line": e.line})
@@ -137,23 +144,23 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
             os.makedirs(folder, exist_ok=True)
         try:
             wave = load_audio(e.audio_filepath, int(vae.sample_rate), e.offset, e.duration if e.is_segment else None)
-        except AudioError as err:
-            problems.append(Problem(e.source, e.line, e.id, str(err)))
+        except AudioError as err:  # worded as ddptrain.data.validate words it (its reasons can be grepped)
+            reason = str(err) if str(err).startswith("zero-length audio") else f"unreadable audio: {err}"
+            if not os.path.exists(e.audio_filepath):
+                reason = f"missing audio file: {e.audio_filepath}"
+            unreadable.append(Problem(e.source, e.line, e.id, reason))
             continue
         z = np.ascontiguousarray(encode(vae, wave).numpy().astype(np.float32))
         name = _latent_name(e.id)
         _write_atomic(os.path.join(folder, name), lambda f: np.save(f, z))
         rows[slot] = {"id": e.id, "text": e.text, "line": e.line, "audio": key, "latent": name, "frames": int(z.shape[0])}
-    if problems:
-        if bad_data == "error":
-            raise DataError.from_problems(f"{len(problems)} utterance(s) of {manifest} have unreadable audio "
-                                          "(data.bad_data=skip leaves them out)", problems)
-        for p in problems:
-            log(f"skipped: {p}")
-        skipped = len(problems)
+    report = finish_report(entries, problems + unreadable, bad_data)  # error: every bad line, in manifest order
+    for p in report.problems:
+        log(f"skipped: {p}")
+    skipped = report.num_skipped
     rows = [r for r in rows if r is not None]
     text = "".join(json.dumps(r) + "\n" for r in rows)
-    written = len(todo) > len(problems)  # some latents were written
+    written = len(todo) > len(unreadable)  # some latents were written
     index_path, meta_path = os.path.join(folder, "index.jsonl"), os.path.join(folder, "meta.json")
     if not os.path.isfile(index_path) or open(index_path).read() != text:
         os.makedirs(folder, exist_ok=True)
@@ -162,11 +169,11 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     if old_meta != meta:
         _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
         written = True
-    report = {"dir": folder, "encoded": len(todo) - len(problems), "reused": len(rows) - (len(todo) - len(problems)),
-              "skipped": skipped, "written": written}
-    log(f"{manifest}: {report['encoded']} encoded, {report['reused']} cached"
-        + (f", {skipped} skipped (bad audio)" if skipped else "") + f" -> {folder}")
-    return report
+    encoded = len(todo) - len(unreadable)
+    summary = {"dir": folder, "encoded": encoded, "reused": len(rows) - encoded, "skipped": skipped, "written": written}
+    log(f"{manifest}: {encoded} encoded, {summary['reused']} cached"
+        + (f", {skipped} skipped (bad lines or audio)" if skipped else "") + f" -> {folder}")
+    return summary
 
 
 def read_cache(manifest: str, vae_spec: dict, patch_size: int) -> list[CachedUtterance]:

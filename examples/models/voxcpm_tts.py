@@ -249,7 +249,7 @@ def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    raw = model.config.model_dump()
+    raw = model.config.model_dump(exclude_none=True)  # upstream's `kv_channels: int = None` refuses an explicit null
     raw["audio_vae_config"] = vae_config_dict(vae)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=1)
