@@ -1,8 +1,9 @@
 """Per-bucket budgets measured on the GPU against the best single ``max_duration`` (issue 21).
 
-STATUS: written, not yet run on a GPU. The device time of the session that wrote it went to
-other work; only the CPU dry run (``--dry``, run by tests/test_tune.py) has run. Its rows, once
-measured, go to ``bench/results/h200x1_<date>_tuned.jsonl``.
+Results: ``bench/results/h200x1_2026-12-01_s7_tuned*.jsonl``. The first GPU run (3,000
+utterances, one pass) compared 3 timed steps per variant on a corpus whose buckets mostly fit in
+one batch, and the variant that ran first paid every shape's first-use cost: its rows say
+nothing about per-bucket budgets (kept as measured; BENCHMARKS.md says so).
 
 Per workload, on one GPU, on the synthetic corpora of the other benchmarks (nothing downloaded):
 
@@ -24,7 +25,9 @@ Steps, all under one memory target (``--memory-gb``, default 90% of the GPU):
    hair; buckets the search capped do not bind).
 3. Each variant trains one full epoch plan with ddptrain.Trainer on a fresh model (no OOM
    allowed; an OOM is an error row): samples/s and audio-seconds/s after ``--warmup`` steps,
-   the epoch's wall time, steps, padding, mean batch size and peak memory.
+   the epoch's wall time, steps, padding, mean batch size and peak memory. The variants run
+   in turns ``--passes`` times (default 2): the first pass pays the per-shape costs (cuDNN plans,
+   autotuning) for whichever variant runs first, so compare the rows of the last pass (``pass``).
 
 Rows: ``workload``, ``variant`` (hand | tuned), ``tuned`` and ``per_bucket`` (True for the
 per-bucket budgets), ``budget`` (M* for hand), the throughput figures, ``tuning_s``,
@@ -211,13 +214,17 @@ def run_workload(args, workload: str, folder: str) -> list[dict]:
         del model
         hand = best_single_budget(doc, loader.batch_sampler)
         rows = []
-        for variant, change in (("hand", {"max_duration": hand}), ("tuned", {"bucket_budgets": budgets})):
+        # in turns, ``--passes`` times: the first pass pays the per-shape costs (cuDNN plans,
+        # autotuning) for whichever variant runs first; the last pass compares warm variants
+        order = [("hand", {"max_duration": hand}), ("tuned", {"bucket_budgets": budgets})] * args.passes
+        for i, (variant, change) in enumerate(order):
             cfg = config(args, workload, os.path.join(folder, variant))
             model, loss, loader = build(args, workload, cfg)
             row = {"workload": workload, "variant": variant, "tuned": variant == "tuned",
                    "per_bucket": variant == "tuned", "budget": hand if variant == "hand" else None,
                    "memory_target_gb": doc["memory_target_gb"], "tuning_s": doc["tuning_s"],
-                   "bucket_batch_sizes": [b["batch_size"] for b in doc["buckets"]]}
+                   "bucket_batch_sizes": [b["batch_size"] for b in doc["buckets"]], "pass": i // 2 + 1,
+                   "passes": args.passes}
             try:
                 loader = with_sampler(loader, **change)
                 row["plan_batch_sizes"] = loader.batch_sampler.bucket_batch_sizes
@@ -240,6 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("--utterances", type=int, default=None, help="corpus size (default 8000; dry: 16)")
     parser.add_argument("--buckets", type=int, default=None, help="data.num_buckets (default 30; dry: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 10; dry: 1)")
+    parser.add_argument("--passes", type=int, default=2, help="hand and tuned in turns this many times (compare the last)")
     parser.add_argument("--dry", action="store_true", help="CPU: tiny models, a small corpus, a stand-in meter")
     args = parser.parse_args(argv)
     for key, real, dry in (("utterances", 8000, 16), ("buckets", 30, 2), ("warmup", 10, 1)):
