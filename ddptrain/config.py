@@ -51,7 +51,7 @@ class TrainerConfig:
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save + exit on these (SIGTERM, TERM and term all name SIGTERM)
     preempt_exit_code: int = 0  # exit code after a preemption save (0: torchrun does not restart)
-    preflight: str = "none"  # before training, one step on the costliest batch of the worst few buckets (worst) or of every bucket (all), so an out-of-memory error names its bucket in the first minute (ddptrain/tune.py)
+    preflight: str = "none"  # before training, one step on the costliest batch of the worst few buckets (worst) or of every bucket (all), so an out-of-memory error names its bucket in the first minute (ddptrain/preflight.py)
     gc_every_steps: int = 50  # Python GC: collect young objects every N steps on all ranks, full at epoch ends/evals/saves, automatic GC off during fit; 0 = Python's automatic GC
 
 

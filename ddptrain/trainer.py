@@ -25,7 +25,7 @@ from torch import nn
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import dist, resume, runfolder
-from ddptrain import preflight as tune  # before_fit: the checks before the first step
+from ddptrain import preflight
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
@@ -165,7 +165,7 @@ class Trainer:
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
         try:
-            tune.before_fit(self)  # the budget file in use fits this set-up; trainer.preflight: an OOM now, not in hours
+            preflight.before_fit(self)  # the budget file in use fits this set-up; trainer.preflight: an OOM now, not in hours
             if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
