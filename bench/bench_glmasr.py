@@ -415,17 +415,15 @@ def run_data(args) -> dict:
 PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare, "data": run_data}
 
 
-NO_CUDNN = "_nocudnn"  # suffix: the same peer with cuDNN's SDPA off (PyTorch's flash / efficient kernels)
-
-
 def base_peer(peer: str) -> str:
-    return peer[:-len(NO_CUDNN)] if peer.endswith(NO_CUDNN) else peer
+    """A peer's set-up. (Rows of 2026-12-01 call s7 named ``*_nocudnn`` called
+    ``torch.backends.cuda.enable_cudnn_sdp(False)``, which did not take: their profiles still show
+    cuDNN's attention kernels. They are repeats of the peer without the suffix.)"""
+    return peer
 
 
 def run_one(args) -> dict:
     args.base = base_peer(args.peer)
-    if args.base != args.peer:  # cuDNN builds an attention plan per new shape, on the host
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.base in PEERS:
         return PEERS[args.base](args)
     if args.base in OVERRIDES or args.base.startswith("ddptrain"):

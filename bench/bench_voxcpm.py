@@ -277,7 +277,7 @@ def run_ddptrain(args) -> dict:
     logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     trainer.close()
     return summarize(args, args.peer, elapsed, [s for _, s in calls[w:w + n]],
-                     {"max_duration": args.max_duration, "ov": ov, "prepare_s": round(prepare_s, 2),
+                     {"max_duration": cfg.data.max_duration, "ov": ov, "prepare_s": round(prepare_s, 2),
                       "prepare_audio_s_per_s": float(d.sum()) / prepare_s, "compiled_modules": len(trainer.compiled),
                       "loss": logged[-1]["loss"] if logged else None,
                       "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"]})
