@@ -85,6 +85,7 @@ class GlmAsrRecipeConfig:
     freeze_encoder: bool = False  # keep the audio encoder fixed; the projector and the LLM train
     max_tokens: int = 0  # decoder positions per batch: B x longest prompt+audio+transcript <= this; 0 = no limit
     token_pad_multiple: int = 8  # pad the decoder length to a multiple of this (fewer distinct shapes)
+    frame_pad_multiple: int = 8  # encoder_length=batch: pad the mel length to a multiple of this (of 8; e.g. 400 = 4 s: fewer shapes, each new one costs its attention plans)
     generate_eval: bool = True  # eval: WER/CER of greedy decoding (else the loss only)
     max_new_tokens: int = 200  # generation stops after this many tokens
     export_dir: str = ""  # at the end, save the model + tokenizer here as a HF folder (from_pretrained)
@@ -117,6 +118,9 @@ def check_recipe_config(g: GlmAsrRecipeConfig, data) -> None:
     if data.features != "whisper_logmel" or data.normalize != "none":
         raise ddptrain.ConfigError("GLM-ASR takes Whisper's log-mel: set data.features=whisper_logmel and "
                                    "data.normalize=none (configs/glmasr.yaml does)")
+    if g.frame_pad_multiple < FRAME_MULTIPLE or g.frame_pad_multiple % FRAME_MULTIPLE:
+        raise ddptrain.ConfigError(f"glmasr.frame_pad_multiple={g.frame_pad_multiple} must be a positive multiple of "
+                                   f"{FRAME_MULTIPLE} (the encoder merges 8 mel frames into one LLM embedding)")
     if g.token_pad_multiple < 1 or g.max_tokens < 0 or g.max_new_tokens < 1:
         raise ddptrain.ConfigError("glmasr.token_pad_multiple and glmasr.max_new_tokens must be >= 1, "
                                    "glmasr.max_tokens >= 0")
@@ -197,6 +201,7 @@ class GlmAsrCollator:
             (``data.feature_device: gpu``: the objective runs the extractor on the device).
         encoder_length: ``window`` (3000 frames) or ``batch`` (longest chunk, a multiple of 8).
         token_pad_multiple: the decoder length is padded to a multiple of this.
+        frame_pad_multiple: ``batch``: the mel length is padded to a multiple of this (of 8).
         max_positions: the LLM's context; a longer sequence is an error naming the utterance.
         split_long: cut audio over 30 s into chunks; False = an error naming the utterance.
         hop: samples per mel frame.
@@ -207,9 +212,11 @@ class GlmAsrCollator:
     """
 
     def __init__(self, layout: PromptLayout, extractor: Optional[BatchFeatureExtractor], encoder_length: str = "window",
-                 token_pad_multiple: int = 8, max_positions: int = 8192, split_long: bool = True, hop: int = 160):
+                 token_pad_multiple: int = 8, max_positions: int = 8192, split_long: bool = True, hop: int = 160,
+                 frame_pad_multiple: int = FRAME_MULTIPLE):
         self.layout, self.extractor = layout, extractor
         self.encoder_length, self.multiple = encoder_length, max(1, token_pad_multiple)
+        self.frame_multiple = frame_pad_multiple
         self.max_positions, self.split_long, self.hop = max_positions, split_long, hop
         self.window = WINDOW_FRAMES * hop
 
@@ -238,7 +245,7 @@ class GlmAsrCollator:
                                 f"exceed the model's {self.max_positions}")
         flat_frames = [x for f in frames for x in f]
         t = WINDOW_FRAMES if self.encoder_length == "window" else min(
-            WINDOW_FRAMES, -(-max(flat_frames) // FRAME_MULTIPLE) * FRAME_MULTIPLE)
+            WINDOW_FRAMES, -(-max(flat_frames) // self.frame_multiple) * self.frame_multiple)
         per_row = t // FRAME_MULTIPLE  # LLM embeddings per chunk row
         length = -(-max(len(s) for s in seqs) // self.multiple) * self.multiple
         input_ids = torch.full((len(seqs), length), lay.pad_id, dtype=torch.int64)
@@ -299,7 +306,7 @@ def make_collator(cfg, layout: PromptLayout, max_positions: int, train: bool):
     extractor = BatchFeatureExtractor(data).train(train)
     on_gpu = data.feature_device == "gpu"
     collate = GlmAsrCollator(layout, None if on_gpu else extractor, g.encoder_length, g.token_pad_multiple,
-                             max_positions, g.long_audio == "split", extractor.hop)
+                             max_positions, g.long_audio == "split", extractor.hop, g.frame_pad_multiple)
     return collate, (extractor if on_gpu else None)
 
 
