@@ -87,8 +87,8 @@ def glm4v_config(preset: str, with_vision: bool = True):
                 max_position_embeddings=32768)
     ids = dict(image_token_id=TOKENS["image"], image_start_token_id=TOKENS["image_start"],
                image_end_token_id=TOKENS["image_end"], video_token_id=TOKENS["video"])
-    if preset == "tiny":
-        v = text["vocab_size"]
+    v = text["vocab_size"]
+    if v <= TOKENS["video"]:  # a tiny vocabulary: its last ids are the special ones
         ids = dict(image_token_id=v - 2, image_start_token_id=v - 4, image_end_token_id=v - 3, video_token_id=v - 1)
     return Glm4vConfig(text_config=text, vision_config=VISION[preset], **ids)
 
@@ -104,12 +104,17 @@ class TextLM(nn.Module):
         self.lm_head = nn.Linear(cfg.text_config.hidden_size, cfg.text_config.vocab_size, bias=False)
 
     def hidden(self, input_ids, **_):
-        return self.language_model(input_ids=input_ids).last_hidden_state
+        return self.language_model(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
 class WithLoss(nn.Module):
     """``forward(batch) -> (loss_sum, tokens)`` inside the (DDP) forward: hidden states of the
-    model, then the head and cross-entropy at the supervised positions only."""
+    model, then the head and cross-entropy at the supervised positions only.
+
+    ``use_cache=False``: the decoder otherwise makes a DynamicCache (``use_cache`` defaults to True
+    in training too) that every recomputed layer writes to again in backward; the cache then held
+    each recomputed layer's graph and activations to the end of the backward (87.5 GiB peak on
+    one H200, BENCHMARKS.md). HF's own gradient checkpointing drops the cache for this reason."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -119,7 +124,7 @@ class WithLoss(nn.Module):
         if isinstance(self.lm, TextLM):
             hidden = self.lm.hidden(input_ids)
         else:
-            hidden = self.lm.model(input_ids=input_ids, **vision).last_hidden_state
+            hidden = self.lm.model(input_ids=input_ids, use_cache=False, **vision).last_hidden_state
         return causal_lm_loss(hidden, self.lm.lm_head.weight, labels)
 
 

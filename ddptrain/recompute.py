@@ -14,7 +14,12 @@ readable and ours):
    autocast state of the original forward, and the pack hook of *that* run captures the saved
    tensors in order. Index ``i`` of the recomputation is index ``i`` of the original forward.
 3. Each recomputed tensor is handed out once and then dropped, so recomputed memory is freed as
-   backward consumes it.
+   backward consumes it. The recomputation's own autograd graph (it runs with grad enabled, to
+   see what autograd saves) gets emptied slots, not the tensors: if the region leaks a tensor of
+   that graph into outside state (a KV cache passed in, with Hugging Face's ``use_cache=True``),
+   the graph outlives the recomputation but holds no activations. Before, a GLM-4.1V decoder's
+   DynamicCache kept all 40 layers' recomputed activations to the end of the backward (87.5 GiB
+   peak on one H200, ~26 predicted without; tests/test_lora_memory.py). A KV cache in a region warns.
 
 The autograd graph is the original one: there is no second backward and no autograd Function
 wrapped around the region, so parameters get their gradient exactly once (DDP's hooks see
@@ -25,6 +30,8 @@ output structure (tuple, dict, ``ModelOutput``) passes through untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -53,6 +60,49 @@ class _Handle:
 
     def __init__(self, idx: int):
         self.idx = idx
+
+
+class _Slot:
+    """What the recomputed graph's nodes hold instead of a tensor (see ``_Frame._recompute``)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor is None:
+            raise RuntimeError("recompute: a backward through the graph of a recomputation (it is for its saved "
+                               "tensors only, and they are gone once the recomputation returns)")
+        return self.tensor
+
+
+_warned_state: set = set()
+
+
+def _warn_if_stateful(fn: Callable, others: list) -> None:
+    """Once per module class: a KV cache among the region's arguments (``use_cache=True``).
+
+    A cache's ``update`` runs again when the region is recomputed, so the cache grows and holds
+    the recomputed graph; recompute then frees the activations anyway (``_Slot``), but the
+    cache's contents are wrong and its memory is wasted. Hugging Face decoders default to
+    ``use_cache=True`` in training too unless their own gradient checkpointing is on.
+    """
+    cache = next((o for o in others if callable(getattr(o, "get_seq_length", None))
+                  and callable(getattr(o, "update", None))), None)
+    if cache is None:
+        return
+    owner = getattr(fn, "__self__", None)  # a bound forward, or submodules' partial(inner, module)
+    if owner is None and isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], nn.Module):
+        owner = fn.args[0]
+    name = type(owner).__name__ if owner is not None else getattr(fn, "__qualname__", repr(fn))
+    if name in _warned_state:
+        return
+    _warned_state.add(name)
+    warnings.warn(
+        f"recompute: {name} is checkpointed and gets a {type(cache).__name__} (a KV cache): the recomputation "
+        "in backward updates the cache a second time. Call the model with use_cache=False for training.",
+        RuntimeWarning, stacklevel=4)
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -100,6 +150,7 @@ class _Frame:
                          for d in _AUTOCAST_DEVICES]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.handles: list[weakref.ref] = []
+        _warn_if_stateful(fn, self.others)
         self.meta: list[tuple] = []  # (shape, dtype, device) per saved tensor: detects divergence
         self.stores: dict[int, dict[int, torch.Tensor]] = {}  # graph task id -> idx -> tensor
 
@@ -132,14 +183,21 @@ class _Frame:
     def _recompute(self) -> dict[int, torch.Tensor]:
         args, kwargs = self._inputs()
         captured: list[torch.Tensor] = []
+        slots: list[_Slot] = []
         wanted = len(self.meta)
 
-        def capture(t: torch.Tensor) -> torch.Tensor:
+        def capture(t: torch.Tensor) -> _Slot:
             # detach: hand back values only; keeping the recomputed graph would hold its memory.
             captured.append(t.detach())
             if len(captured) == wanted:
                 raise _StopRecompute  # the rest of the forward saves nothing we need
-            return captured[-1]
+            # The recomputed graph gets a slot, emptied below, not the tensor: if the region
+            # stored a tensor of that graph outside itself (a KV cache passed in as an argument,
+            # a module attribute), the graph outlives the recomputation, and with the tensors
+            # in it every recomputed layer's activations would stay alive to the end of the
+            # backward: recompute undone, silently.
+            slots.append(_Slot(captured[-1]))
+            return slots[-1]
 
         with contextlib.ExitStack() as stack:
             # fork_rng: the replayed draws must not move the RNG stream of the rest of training.
@@ -151,11 +209,15 @@ class _Frame:
                 stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled,
                                                    cache_enabled=self.autocast_cache))
             stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, lambda t: t))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(capture, _Slot.unpack))
             try:
                 self.fn(*args, **kwargs)
             except _StopRecompute:
                 pass
+            finally:
+                for slot in slots:
+                    slot.tensor = None
+                slots.clear()
         if len(captured) != wanted:
             raise RuntimeError(
                 f"recompute: the recomputed forward saved {len(captured)} tensors for backward but "
@@ -168,7 +230,9 @@ class _Frame:
                     f"recompute: saved tensor #{i} was {tuple(shape)} {dtype} on {device} in "
                     f"forward but {tuple(t.shape)} {t.dtype} on {t.device} when recomputed (other "
                     "autocast/precision or control flow between forward and backward?)")
-        return {i: t for i, t in enumerate(captured) if self.handles[i]() is not None}
+        out = {i: t for i, t in enumerate(captured) if self.handles[i]() is not None}
+        captured.clear()  # the closure above may outlive this call (see capture)
+        return out
 
 
 @torch.compiler.disable  # dynamo cannot trace the hooks: compiled models run this region eagerly
