@@ -17,9 +17,8 @@ readable and ours):
    backward consumes it. The recomputation's own autograd graph (it runs with grad enabled, to
    see what autograd saves) gets emptied slots, not the tensors: if the region leaks a tensor of
    that graph into outside state (a KV cache passed in, with Hugging Face's ``use_cache=True``),
-   the graph outlives the recomputation but holds no activations. Before, a GLM-4.1V decoder's
-   DynamicCache kept all 40 layers' recomputed activations to the end of the backward (87.5 GiB
-   peak on one H200, ~26 predicted without; tests/test_lora_memory.py). A KV cache in a region warns.
+   the graph outlives the recomputation but holds no activations (else a decoder's KV cache
+   keeps every recomputed layer alive to the end of the backward). A KV cache in a region warns.
 
 The autograd graph is the original one: there is no second backward and no autograd Function
 wrapped around the region, so parameters get their gradient exactly once (DDP's hooks see
