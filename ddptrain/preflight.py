@@ -7,7 +7,8 @@ optimizer state and BatchNorm statistics restored and the RNG forked, so trainin
 the same as without it. An out-of-memory error is raised then, naming the bucket.
 
 What is here and not in tune.py: everything the Trainer runs itself (:func:`before_fit`: the
-budget file's settings, then :func:`preflight`), and the pieces both use -- :func:`train_once`
+budget file's settings, then :func:`preflight`; during training :class:`BudgetWatch`, the
+file's memory target against the run's peak), and the pieces both use -- :func:`train_once`
 (one real step through the Trainer's parts), the sampler's buckets as :class:`Bucket`, memory
 measurement. tune.py (the budget search, ``python -m ddptrain.tune``) builds a Trainer, so the
 Trainer cannot import it: ``trainer -> preflight <- tune -> trainer``.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -94,6 +96,11 @@ class CudaMemory:
 
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device)
+
+
+def device_meter(device: torch.device) -> Optional[CudaMemory]:
+    """The memory measurement of ``device``; None off CUDA (there is nothing to measure)."""
+    return CudaMemory(device) if device.type == "cuda" else None
 
 
 def is_oom(error: BaseException) -> bool:
@@ -240,11 +247,14 @@ def memory_settings(config, module: torch.nn.Module) -> dict:
 # ----------------------------------------------------------------------------- the Trainer's checks
 
 
-def before_fit(trainer) -> None:
+def before_fit(trainer) -> "BudgetWatch":
     """The Trainer's checks before its first step (called at the start of ``fit``).
 
     The budget file the training sampler uses (``data.bucket_budgets``) is the one configured
     and was measured under this run's memory settings; then ``trainer.preflight``.
+
+    Returns:
+        The watch on the budget file's memory target that the Trainer asks at each logged step.
 
     Raises:
         ConfigError: ``data.bucket_budgets`` set but not used by the training sampler (a recipe
@@ -261,6 +271,64 @@ def before_fit(trainer) -> None:
         check_budget_settings(path, cfg, trainer.module)
     if cfg.trainer.preflight != "none":
         preflight(trainer, cfg.trainer.preflight)
+    meter, target = device_meter(trainer.device) if path else None, None
+    if meter:
+        with open(path) as f:
+            target = json.load(f).get("memory_target_gb")
+    return BudgetWatch(path, target, meter, trainer.logger.print, trainer.info)
+
+
+class BudgetWatch:
+    """Training's peak memory against the target its budget file was measured for.
+
+    The tuner measures each bucket's costliest batch in a step of its own; a run holds more than
+    that (candidates: cuDNN's workspaces for shapes it has not seen, tensors alive across steps,
+    evaluation). An epoch of wav2vec2-large on an H200 with budgets tuned to 135.1 GB peaked at
+    140.45 GB. A user should learn that from a warning at the first logged step over the target,
+    not from an out-of-memory error hours in. Off (no scalars, no collective) without a budget
+    file, without a ``memory_target_gb`` in it (a file written by hand), or without a ``meter``
+    (off CUDA).
+
+    Args:
+        path: the budget file (``data.bucket_budgets``), named in the warning.
+        target_gb: its ``memory_target_gb``.
+        meter: the device's memory measurement (``reset`` / ``peak`` in bytes); its peak is reset
+            here, so training's peak is what counts, not the pre-flight check's.
+        say: where the warning goes (the Trainer's logger: rank 0 prints it).
+        info: the process's ``DistInfo`` (rank, world size, device).
+    """
+
+    def __init__(self, path: Optional[str], target_gb: Optional[float], meter, say: Callable[[str], None], info):
+        self.on = bool(path and target_gb and meter)
+        self.path, self.target_gb, self.meter, self.say, self.info = path, target_gb, meter, say, info
+        self.warned = False
+        if self.on:
+            meter.reset()
+
+    def scalars(self, step: int) -> dict:
+        """``budget_overshoot_gb`` for step ``step``'s log: how far the highest peak of all ranks
+        is over the target (0 under it); the first time it is over, one warning naming the rank.
+
+        Collective while on: every rank calls it at the same (the logged) steps, since ranks
+        differ (their shards hold other lengths) and rank 0 alone speaks.
+        """
+        if not self.on:
+            return {}
+        peaks = [0.0] * self.info.world_size
+        peaks[self.info.rank] = self.meter.peak() / GB
+        peaks = dist.all_reduce_sum(peaks, self.info.device)
+        rank = max(range(len(peaks)), key=lambda r: peaks[r])
+        over = peaks[rank] - self.target_gb
+        if over > 0 and not self.warned:
+            self.warned = True
+            where = f" on rank {rank}" if len(peaks) > 1 else ""
+            self.say(f"WARNING: step {step}: peak memory {peaks[rank]:.2f} GB{where} is {over:.2f} GB over the "
+                     f"{self.target_gb:g} GB target that {self.path} (data.bucket_budgets) was tuned for. Training holds "
+                     f"more than the tuner's single steps did, and a longer run may run out of memory: re-run "
+                     f"python -m ddptrain.tune with a lower target, e.g. --memory-gb "
+                     f"{math.floor(10 * (self.target_gb - over)) / 10:g} (the target minus this overshoot), and train "
+                     f"with the new file. (Said once; budget_overshoot_gb in the logged metrics follows it.)")
+        return {"budget_overshoot_gb": max(over, 0.0)}
 
 
 def check_budget_settings(path: str, config, module: torch.nn.Module) -> None:
@@ -312,7 +380,7 @@ def preflight(trainer, mode: str = "worst") -> list[dict]:
     make = loader_batches(trainer.train_data)
     buckets, sizes = sampler_buckets(sampler), sampler.bucket_batch_sizes
     chosen = sorted(range(len(buckets)), key=lambda k: -buckets[k].longest) if mode == "all" else _worst_buckets(sampler)
-    meter = CudaMemory(trainer.device) if trainer.device.type == "cuda" else None
+    meter = device_meter(trainer.device)
     states = _optimizer_states(trainer.optimizer)
     fresh = not any(states.values())  # a resumed optimizer's state is not touched: no update step
     buffers = [(b, b.detach().clone()) for b in trainer.module.buffers()]
