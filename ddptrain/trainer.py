@@ -165,7 +165,8 @@ class Trainer:
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
         try:
-            preflight.before_fit(self)  # the budget file in use fits this set-up; trainer.preflight: an OOM now, not in hours
+            # the budget file in use fits this set-up; trainer.preflight: an OOM now, not in hours
+            self.budget_watch = preflight.before_fit(self)  # then its memory target is watched at each log
             if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
@@ -385,4 +386,5 @@ class Trainer:
         self.logger.step_done(p.step, out["loss_sum"], out["units"], self.stream.wait_s, p.step == self.total_steps,
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
-                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)})
+                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device),
+                                       **self.budget_watch.scalars(p.step)})  # collective while a budget file is watched
