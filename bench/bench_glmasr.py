@@ -27,6 +27,8 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   batch holds 16); ``ddptrain_best``: bf16 + compiled with ``compile.dynamic=true`` from the
   start; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
 * ``data``: the loader alone, batches per second (is a peer data-bound?).
+* any peer + ``_flash`` (e.g. ``hf_flash``, ``ddptrain_bf16_compile_flash``): its forwards inside
+  ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``, no cuDNN attention.
 
 ``--profile`` adds, for ddptrain peers, a profile of 2 steps after the timed ones: step time,
 GPU-busy time and kernel time by category. Results of 2026-12-01 (one H200, three calls; the
@@ -50,6 +52,7 @@ not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -184,7 +187,7 @@ def hf_model_and_data(args, cfg):
                               tiny_tokens=tiny_tokens() if args.preset == "tiny" else None)
     layout = fg.synthetic_layout(model.config)
     d, n = fg.synthetic_corpus(cfg.glmasr, cfg.data.seed)
-    dataset = fg.SyntheticSpeech(d, n, min(model.config.text_config.vocab_size, 50000), layout.eos_id)
+    dataset = fg.SyntheticSpeech(d, n, min(model.config.text_config.vocab_size, 50000, layout.audio_token_id), layout.eos_id)
     collate, _ = fg.make_collator(cfg, layout, model.config.text_config.max_position_embeddings, True)
     return model, dataset, StatsCollate(collate, GlmAsrFlops(model), hf=True)
 
@@ -218,7 +221,8 @@ def run_ddptrain(args) -> dict:
 
     def timed(m, batch):
         calls.append((time.perf_counter(), batch.pop("stats"), graphs["unique_graphs"]))
-        return objective(m, batch)
+        with attention_scope(args):
+            return objective(m, batch)
 
     reset_peak()
     trainer = ddptrain.Trainer(model, timed, cfg, loader)
@@ -313,7 +317,8 @@ def run_bare(args) -> dict:
             stats.append(s)
         batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss = model(**batch).loss
+            with attention_scope(args):
+                loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -337,7 +342,8 @@ def run_hf(args) -> dict:
             s = inputs.pop("stats")
             if w <= self.state.global_step < w + n:
                 record["stats"].append(s)
-            return super().training_step(model, inputs, num_items_in_batch)
+            with attention_scope(args):  # the forward and backward are both inside training_step
+                return super().training_step(model, inputs, num_items_in_batch)
 
     class Clock(TrainerCallback):
         def on_step_end(self, targs, state, control, **kw):
@@ -415,11 +421,24 @@ def run_data(args) -> dict:
 PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare, "data": run_data}
 
 
+FLASH = "_flash"  # suffix: the same peer with attention limited to PyTorch's flash / efficient kernels
+
+
 def base_peer(peer: str) -> str:
-    """A peer's set-up. (Rows of 2026-12-01 call s7 named ``*_nocudnn`` called
-    ``torch.backends.cuda.enable_cudnn_sdp(False)``, which did not take: their profiles still show
-    cuDNN's attention kernels. They are repeats of the peer without the suffix.)"""
-    return peer
+    """A peer's set-up without the ``_flash`` suffix. (Rows of 2026-12-01 call s7 named
+    ``*_nocudnn`` called ``torch.backends.cuda.enable_cudnn_sdp(False)``, which did not take:
+    their profiles still show cuDNN's attention kernels. They are repeats of the peer without
+    the suffix; ``_flash`` uses the ``sdpa_kernel`` context around every forward instead.)"""
+    return peer[:-len(FLASH)] if peer.endswith(FLASH) else peer
+
+
+def attention_scope(args):
+    """The context every forward of this peer runs in: with ``_flash``, no cuDNN attention (it
+    builds a plan per new shape on the host); the backward follows the forward's kernel."""
+    if args.base == args.peer:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
 def run_one(args) -> dict:
