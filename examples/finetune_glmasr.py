@@ -65,6 +65,7 @@ import ddptrain  # noqa: E402
 from ddptrain import metrics  # noqa: E402
 from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem  # noqa: E402
 from ddptrain.data.dataset import BadExample, SpeechDataset  # noqa: E402
+from ddptrain.data.validate import check_entries, finish_report, read_entries  # noqa: E402
 from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
                            load_hf_model)
 
@@ -280,13 +281,19 @@ def decoder_length(layout: PromptLayout, num_samples: int, num_targets: int, hop
     return len(layout.prefix) + n_audio + len(layout.suffix) + num_targets
 
 
+def audio_cost(durations: np.ndarray, encoder_length: str) -> np.ndarray:
+    """Seconds of ``data.max_duration`` each utterance uses: whole 30 s windows (``window``: the
+    encoder runs on full windows whatever the audio's length) or its own seconds (``batch``)."""
+    return np.ceil(durations / 30.0 - 1e-9) * 30.0 if encoder_length == "window" else durations
+
+
 def make_sampler(durations: np.ndarray, dec_lens: np.ndarray, g: GlmAsrRecipeConfig, data, train: bool,
                  world_size: int, rank: int) -> DurationBucketSampler:
     """Buckets on audio cost (whole 30 s windows, or seconds) and decoder length."""
-    cost = np.ceil(durations / 30.0 - 1e-9) * 30.0 if g.encoder_length == "window" else durations
-    return DurationBucketSampler(cost, max_duration=data.max_duration, max_batch_size=data.max_batch_size,
-                                 tokens=dec_lens, max_tokens=g.max_tokens, num_buckets=data.num_buckets,
-                                 sort_pool=data.bucket_sort_pool, sync_buckets=data.sync_buckets,
+    return DurationBucketSampler(audio_cost(durations, g.encoder_length), max_duration=data.max_duration,
+                                 max_batch_size=data.max_batch_size, tokens=dec_lens, max_tokens=g.max_tokens,
+                                 num_buckets=data.num_buckets, sort_pool=data.bucket_sort_pool,
+                                 sync_buckets=data.sync_buckets,
                                  shuffle=data.shuffle and train, tail=data.tail if train else "exact",
                                  seed=data.seed, world_size=world_size, rank=rank,
                                  bucket_budgets=data.bucket_budgets if train else None)  # from python -m ddptrain.tune
@@ -314,42 +321,63 @@ def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, la
                           max_positions: int, train: bool, world_size: int, rank: int) -> DataLoader:
     """Validated manifest -> bucketed DataLoader of GLM-ASR batches.
 
+    Every utterance that cannot be trained on is one problem of ``file:line (id ...)``: a bad
+    line or audio file (the library's checks, with ``data.validate``), audio over 30 s with
+    ``glmasr.long_audio: refuse``, a sequence longer than the LLM's context, or one utterance
+    alone over ``data.max_duration`` (in whole windows with ``encoder_length: window``) or
+    ``glmasr.max_tokens``. ``data.bad_data`` decides: ``error`` lists them all and stops,
+    ``skip`` leaves them out and prints them on rank 0.
+
     Raises:
-        DataError: bad lines (under ``data.bad_data: error``, every one named), audio over 30 s
-            with ``glmasr.long_audio: refuse``, or a sequence longer than the LLM's context.
+        DataError: any such problem under ``data.bad_data: error``; no utterance left.
     """
-    from ddptrain.data import validate_manifest
-    from ddptrain.data.validate import finish_report
-
     data, g = cfg.data, cfg.glmasr
+    entries, problems = read_entries(manifest)
     if data.validate:
-        report = validate_manifest(manifest, data, tokenizer)
-    else:
-        from ddptrain.data.validate import _entries_of
-
-        report = finish_report(*_entries_of(manifest), data.bad_data)
+        # the library's checks, less its batch budget: an utterance costs this recipe whole
+        # 30 s windows (audio_cost), not its seconds, so the budget is checked below, as the
+        # sampler will count it
+        problems += check_entries(entries, dataclasses.replace(data, max_duration=math.inf), tokenizer,
+                                  data.validate_decode)
     speeds = [float(s) for s in data.speed_perturb] if train else []
     stretch = 1.0 / min(speeds) if speeds else 1.0
+    at_speed = f" at speed {min(speeds)}" if stretch != 1.0 else ""
     hop = int(data.sample_rate * data.frame_shift_ms / 1000)
-    problems, keep, dec_lens = [], [], []
-    for e in report.entries:
-        samples = int(math.ceil(e.duration * stretch * data.sample_rate))
-        n = decoder_length(layout, samples, len(tokenizer.encode(e.text)), hop)
-        if g.long_audio == "refuse" and e.duration * stretch > 30.0:
+    # the sampler refuses an utterance over a budget on its own (by index), unless measured
+    # per-bucket batch sizes (python -m ddptrain.tune) replace the budgets: name it here instead
+    budgeted = not (train and data.bucket_budgets)
+    seconds = np.array([e.duration * stretch for e in entries], dtype=np.float64)
+    costs = audio_cost(seconds, g.encoder_length)
+    positions = {}  # id(entry) -> decoder positions, for the sampler's token counts of the kept ones
+    for e, sec, cost in zip(entries, seconds, costs):
+        n = positions[id(e)] = decoder_length(layout, int(math.ceil(sec * data.sample_rate)),
+                                              len(tokenizer.encode(e.text)), hop)
+        if g.long_audio == "refuse" and sec > 30.0:
             problems.append(Problem(e.source, e.line, e.id, f"{e.duration:.2f}s is longer than the 30 s window "
                                     "(glmasr.long_audio=refuse; 'split' cuts it into 30 s chunks)"))
         elif n > max_positions:
             problems.append(Problem(e.source, e.line, e.id, f"{n} decoder positions (prompt + audio + transcript) "
                                     f"exceed the model's context of {max_positions}"))
-        else:
-            keep.append(e)
-            dec_lens.append(n)
-    if problems and data.bad_data == "error":
-        raise DataError.from_problems(f"{len(problems)} utterance(s) of {manifest} cannot be trained on", problems)
+        if budgeted and cost > data.max_duration:
+            windows = f" = {cost:.0f}s of 30 s encoder windows" if g.encoder_length == "window" else ""
+            problems.append(Problem(e.source, e.line, e.id, f"too long: {e.duration:.2f}s{at_speed}{windows} does "
+                                    f"not fit in a batch of data.max_duration={data.max_duration}s"))
+        if budgeted and 0 < g.max_tokens < n:
+            problems.append(Problem(e.source, e.line, e.id, f"too long: {n} decoder positions do not fit in a batch "
+                                    f"of glmasr.max_tokens={g.max_tokens}"))
+    # the shared bad-data policy (ddptrain/data/validate.py), with our headline: the default
+    # one's `python -m ddptrain.data.validate` knows nothing of this model's limits
+    report = finish_report(entries, problems, data.bad_data, headline=f"{manifest}: {{summary}} (bad lines, or too "
+                           "long for this model or batch budget; data.bad_data=skip leaves them out):")
+    if report.problems and rank == 0:
+        print(f"{manifest}: skipped {report.num_skipped} of {report.num_total} utterance(s) (data.bad_data=skip):\n"
+              + "\n".join(f"  {p}" for p in report.problems))
+    keep = report.entries
     if not keep:
-        raise DataError(f"no utterances left in {manifest!r}")
+        raise DataError(f"no utterances left in {manifest!r} (after skipping bad ones)")
     durations = np.array([e.duration * stretch for e in keep])
-    sampler = make_sampler(durations, np.array(dec_lens, dtype=np.float64), g, data, train, world_size, rank)
+    dec_lens = np.array([positions[id(e)] for e in keep], dtype=np.float64)
+    sampler = make_sampler(durations, dec_lens, g, data, train, world_size, rank)
     dataset = SpeechDataset(keep, dataclasses.replace(data, features="raw"), tokenizer, train)
     collate, gpu_features = make_collator(cfg, layout, max_positions, train)
     loader = _loader(dataset, sampler, collate, data)

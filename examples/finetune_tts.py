@@ -245,12 +245,11 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
         if 0 < t.max_text_tokens < len(x):
             problems.append(Problem(u.source, u.line, u.id, f"too long: {len(x)} text tokens do not fit in a batch of "
                                     f"tts.max_text_tokens={t.max_text_tokens}"))
-    # the shared bad-data handling (ddptrain/data/validate.py): one problem per line, in manifest
-    # order, the bad ones dropped; the policy is applied here, with a headline that fits these checks
-    report = finish_report(utts, problems, "skip")
-    if report.problems and data.bad_data == "error":
-        raise DataError.from_problems(f"{source}: {report.summary()} for this model and batch budget "
-                                      "(data.bad_data=skip leaves them out):", report.problems)
+    # the shared bad-data policy (ddptrain/data/validate.py): one problem per line, in manifest
+    # order, the bad ones dropped; our own headline, since `python -m ddptrain.data.validate`
+    # (the default one's advice) knows nothing of max_length or the latent budgets
+    report = finish_report(utts, problems, data.bad_data, headline=f"{source}: {{summary}} for this model and "
+                           "batch budget (data.bad_data=skip leaves them out):")
     if report.problems and rank == 0:
         print(f"{source}: skipped {report.num_skipped} of {report.num_total} utterance(s) (data.bad_data=skip):\n"
               + "\n".join(f"  {p}" for p in report.problems))

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ddptrain.data import DataError, Problem, load_audio  # noqa: E402
 from ddptrain.data.audio import AudioError  # noqa: E402
-from ddptrain.data.validate import _entries_of, finish_report  # noqa: E402
+from ddptrain.data.validate import finish_report, read_entries  # noqa: E402
 
 CACHE_FORMAT = "ddptrain-tts-latents/1"
 
@@ -124,7 +124,7 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     folder = cache_dir(manifest)
     # the shared manifest checks and policy (ddptrain/data/validate.py): bad lines and duplicate
     # ids are named by file:line, and under bad_data=error stop the run before any encoding
-    entries, problems = _entries_of(manifest)
+    entries, problems = read_entries(manifest)
     usable = finish_report(entries, problems, bad_data).entries
     meta = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
     old_meta = _read_json(os.path.join(folder, "meta.json"))

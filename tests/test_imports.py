@@ -30,7 +30,6 @@ ALLOWED_LAZY = {
     ("ddptrain.data.features", "ddptrain.data.manifest"),  # main (python -m ddptrain.data.features)
     ("ddptrain.data.shards", "ddptrain.data.sampler"),  # shard_problems: padded_cost
     ("ddptrain.data.tokenizer", "ddptrain.data.manifest"),  # CharTokenizer.build from manifest paths
-    ("ddptrain.data.validate", "ddptrain.data.tokenizer"),  # main (python -m ddptrain.data.validate)
     ("ddptrain.memory", "ddptrain.config"),  # estimate / table / main
     ("ddptrain.memory", "ddptrain.optim"),  # estimate: param_groups
     ("ddptrain.memory", "ddptrain.sharded_masters"),  # estimate: partition

@@ -41,7 +41,7 @@ from ddptrain.data.manifest import ManifestEntry
 from ddptrain.data.mix import SourceCollator, Sources, load_sources, uses_sources
 from ddptrain.data.sampler import DurationBucketSampler
 from ddptrain.data.tokenizer import CharTokenizer
-from ddptrain.data.validate import ValidationReport, _entries_of, check_entries, finish_report
+from ddptrain.data.validate import ValidationReport, check_entries, finish_report, read_entries
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def build_dataloader(
         report, durations = sources.report, sources.durations
         _check_same_on_all_ranks(sources.fingerprint(), durations.size)
     else:
-        entries, problems = _entries_of(manifest)
+        entries, problems = read_entries(manifest)
         if cfg.validate:
             problems += _check_sharded(entries, cfg, tokenizer)
             report = finish_report(entries, problems, cfg.bad_data)

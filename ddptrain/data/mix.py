@@ -45,7 +45,7 @@ from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import ManifestEntry, split_paths
 from ddptrain.data.shard_sampler import ShardWindowSampler
 from ddptrain.data.shards import ShardDataset, ShardSet, is_shard_spec, load_shards, shard_problems
-from ddptrain.data.validate import ValidationReport, _entries_of, finish_report
+from ddptrain.data.validate import ValidationReport, finish_report, read_entries
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable)
         manifests = [p for p in paths if not is_shard_spec(p)]
         specs = [p for p in paths if is_shard_spec(p)]
         if manifests:
-            entries, bad = _entries_of(manifests)
+            entries, bad = read_entries(manifests)
             if cfg.validate:
                 bad += check_manifest(entries, cfg, tokenizer)
             report = finish_report(entries, bad, "skip")

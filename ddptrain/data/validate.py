@@ -27,6 +27,12 @@ Anything that slips through is still caught when a worker loads it (see ``datase
 Policy (``data.bad_data``): ``error`` raises a :class:`DataError` listing every bad line;
 ``skip`` returns the good entries and the count skipped.
 
+The shared API for code with checks of its own (loader.py, mix.py, the recipes):
+:func:`read_entries` parses manifests into entries and the problems found while parsing, and
+:func:`finish_report` applies the policy to any problems at all (one per line, in manifest
+order, the bad entries dropped), with the caller's ``headline`` when its checks are not this
+module's (a recipe's context length or batch budget: the command line above would not find them).
+
 Command line::
 
     python -m ddptrain.data.validate train.jsonl [more.jsonl] [--config configs/x.yaml]
@@ -44,7 +50,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import numpy as np
 import soundfile as sf
@@ -55,15 +61,29 @@ from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
 from ddptrain.data.manifest import ManifestEntry, duplicate_id_problems, parse_manifest, split_paths
 from ddptrain.data.sampler import padded_cost
+from ddptrain.data.tokenizer import CharTokenizer
 
 ManifestLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], Sequence[ManifestEntry]]
+
+# The policy's own headline: these checks are the command line's, so it can reprint the list.
+DEFAULT_HEADLINE = ("{summary} (data.bad_data=skip would skip them; "
+                    "`python -m ddptrain.data.validate MANIFEST` prints this list):")
+
+
+class Located(Protocol):
+    """What :func:`finish_report` needs of an entry: where it is (a ``ManifestEntry``, a
+    recipe's cached utterance, ...), the same three fields a :class:`Problem` names."""
+
+    source: str
+    line: int
+    id: str
 
 
 @dataclass
 class ValidationReport:
     """Outcome of :func:`validate_manifest`."""
 
-    entries: list[ManifestEntry]  # the good entries, in manifest order
+    entries: list  # the good entries, in manifest order (ManifestEntry, or what finish_report was given)
     problems: list[Problem] = field(default_factory=list)  # one per bad line, in manifest order
     num_total: int = 0  # lines (entries) looked at
 
@@ -120,13 +140,64 @@ def validate_manifest(
     if policy is not None:
         cfg = replace(cfg, bad_data=policy)
     cfg = check_section(cfg, "data")
-    entries, problems = _entries_of(manifest)
+    entries, problems = read_entries(manifest)
     problems += check_entries(entries, cfg, tokenizer, cfg.validate_decode if decode is None else decode, num_threads)
     return finish_report(entries, problems, cfg.bad_data)
 
 
-def finish_report(entries: list[ManifestEntry], problems: list[Problem], policy: str) -> ValidationReport:
-    """Merge problems per line, drop bad entries, and apply the policy."""
+def read_entries(manifest: ManifestLike) -> tuple[list[ManifestEntry], list[Problem]]:
+    """Parse manifests into entries, collecting every bad line instead of stopping at the first.
+
+    Args:
+        manifest: path, comma-separated paths, list of paths, or a list of ``ManifestEntry``
+            (taken as they are: only their ids are checked).
+
+    Returns:
+        ``(entries, problems)``: the parsed entries in manifest order, and one ``Problem`` per
+        line that did not parse (reason ``bad line: ...``) or repeats an earlier id
+        (``duplicate id``). Hand both, with any problems of your own, to :func:`finish_report`.
+
+    Raises:
+        DataError: a manifest file that cannot be opened (no line of it can be named).
+    """
+    if isinstance(manifest, (list, tuple)) and manifest and isinstance(manifest[0], ManifestEntry):
+        entries = list(manifest)
+        return entries, duplicate_id_problems(entries)
+    entries, problems = [], []
+    for path in split_paths(manifest):
+        got, bad = parse_manifest(path)
+        entries += got
+        problems += [replace(p, reason="bad line: " + p.reason) for p in bad]
+    return entries, problems + duplicate_id_problems(entries)
+
+
+def finish_report(entries: Sequence[Located], problems: Sequence[Problem], policy: str,
+                  headline: Optional[str] = None) -> ValidationReport:
+    """Apply the bad-data policy: merge problems per line, drop the bad entries, raise or return.
+
+    Args:
+        entries: everything that was checked, in manifest order; anything with ``.source``,
+            ``.line`` and ``.id`` (the key a :class:`Problem` is matched on).
+        problems: from :func:`read_entries`, :func:`check_entries` and the caller's own checks,
+            in any order; several for one line become one, their reasons joined by ``; ``.
+        policy: ``error`` | ``skip`` (``data.bad_data``).
+        headline: the first line of the ``error`` message, ``{summary}`` replaced by the
+            report's summary ("3 of 40 utterance(s) have problems"). Default: one that points at
+            ``python -m ddptrain.data.validate``; pass your own when the checks are yours (that
+            command cannot reproduce a context-length or batch-budget check).
+
+    Returns:
+        The report: the good entries (the objects given, in order), the merged problems in
+        manifest order, and the count looked at (entries plus lines that did not parse).
+        Under ``skip`` saying what was skipped is the caller's job (it knows its rank and log).
+
+    Raises:
+        ValueError: ``policy`` is neither ``error`` nor ``skip`` (a typo must not mean skip).
+        DataError: under ``error``, when there is any problem; the message lists them all as
+            ``file:line (id ...): reason`` (``.problems`` has them as records).
+    """
+    if policy not in ("error", "skip"):
+        raise ValueError(f"bad-data policy {policy!r} is not one of error, skip (data.bad_data)")
     merged: dict[tuple, Problem] = {}
     for p in problems:
         key = (p.source, p.line, p.id)
@@ -144,22 +215,9 @@ def finish_report(entries: list[ManifestEntry], problems: list[Problem], policy:
     parse_only = sum(1 for k in merged if k not in known)
     report = ValidationReport(good, bad, len(entries) + parse_only)
     if bad and policy == "error":
-        raise DataError.from_problems(
-            f"{report.summary()} (data.bad_data=skip would skip them; "
-            f"`python -m ddptrain.data.validate MANIFEST` prints this list):", bad)
+        # str.replace, not str.format: a headline naming a path with braces in it stays as it is
+        raise DataError.from_problems((headline or DEFAULT_HEADLINE).replace("{summary}", report.summary()), bad)
     return report
-
-
-def _entries_of(manifest: ManifestLike) -> tuple[list[ManifestEntry], list[Problem]]:
-    if isinstance(manifest, (list, tuple)) and manifest and isinstance(manifest[0], ManifestEntry):
-        entries = list(manifest)
-        return entries, duplicate_id_problems(entries)
-    entries, problems = [], []
-    for path in split_paths(manifest):
-        got, bad = parse_manifest(path)
-        entries += got
-        problems += [replace(p, reason="bad line: " + p.reason) for p in bad]
-    return entries, problems + duplicate_id_problems(entries)
 
 
 def check_entries(entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, decode: bool = False,
@@ -278,8 +336,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tok_path = a.tokenizer or (cfg.tokenizer if a.config and cfg.tokenizer and os.path.exists(cfg.tokenizer) else "")
     try:
         if tok_path:
-            from ddptrain.data.tokenizer import CharTokenizer
-
             tokenizer = CharTokenizer.load(tok_path)
         report = validate_manifest(a.manifests, cfg, tokenizer, decode=a.decode or None,
                                    num_threads=a.threads, policy="skip")
