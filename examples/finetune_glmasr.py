@@ -86,7 +86,7 @@ class GlmAsrRecipeConfig:
     freeze_encoder: bool = False  # keep the audio encoder fixed; the projector and the LLM train
     max_tokens: int = 0  # decoder positions per batch: B x longest prompt+audio+transcript <= this; 0 = no limit
     token_pad_multiple: int = 8  # pad the decoder length to a multiple of this (fewer distinct shapes)
-    frame_pad_multiple: int = 8  # encoder_length=batch: pad the mel length to a multiple of this (of 8; e.g. 400 = 4 s: fewer shapes, each new one costs its attention plans)
+    frame_pad_multiple: int = 8  # encoder_length=batch: pad the mel length to a multiple of this (of 8; 400 = 4 s: fewer shapes)
     generate_eval: bool = True  # eval: WER/CER of greedy decoding (else the loss only)
     max_new_tokens: int = 200  # generation stops after this many tokens
     export_dir: str = ""  # at the end, save the model + tokenizer here as a HF folder (from_pretrained)
@@ -432,7 +432,8 @@ def build_synthetic_loader(cfg, layout: PromptLayout, vocab: int, world_size: in
     dec = np.array([decoder_length(layout, int(x * data.sample_rate), int(k), hop) for x, k in zip(d, n)], np.float64)
     sampler = make_sampler(d, dec, g, data, True, world_size, rank)
     collate, gpu_features = make_collator(cfg, layout, max_positions, True)
-    loader = _loader(SyntheticSpeech(d, n, min(vocab, 50000), layout.eos_id, data.sample_rate), sampler,
+    # ids below the audio placeholder: a transcript must not contain it (the HF forward counts them)
+    loader = _loader(SyntheticSpeech(d, n, min(vocab, 50000, layout.audio_token_id), layout.eos_id, data.sample_rate), sampler,
                      collate_wrapper(collate) if collate_wrapper else collate, data)
     loader.feature_extractor = gpu_features
     return loader
