@@ -31,6 +31,8 @@ import ddptrain  # noqa: E402
 from ddptrain.data import DataError, write_synthetic_corpus  # noqa: E402
 from models.glmasr import GlmAsrForTraining, tiny_config  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread_frozen_heap")  # tests/conftest.py: tiny steps, shared cores
+
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|begin_of_audio|>", "<|end_of_audio|>"]
 
 

@@ -31,6 +31,7 @@ from ddptrain.data import DataError  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 
 CORPUS = os.path.join(ROOT, "examples", "data", "dialect")
+vt.import_voxcpm()  # upstream's model code, imported now: the module's frozen heap holds it (see pytestmark)
 
 
 def copy_split(root, split: str, n: int) -> str:
@@ -44,20 +45,29 @@ def copy_split(root, split: str, n: int) -> str:
     return path
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """One intra-op thread (the Trainer respects OMP_NUM_THREADS): on 2 shared cores, 2 threads
-    made these tiny steps many times slower."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (on 2 shared cores, 2 threads made these tiny steps many times slower) and
+# a frozen import-time heap (the Trainer's epoch-end full GC): tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("one_thread_frozen_heap")
+
+
+def copy_corpus(root, n_train=6):
+    return {"train": copy_split(str(root / "data"), "train", n_train), "dev": copy_split(str(root / "data"), "dev", 2)}
+
+
+FRESH = 3  # utterances of a fresh corpus: each costs a VAE encoding per cache (re)build
 
 
 @pytest.fixture()
-def corpus(tmp_path):
-    return {"train": copy_split(str(tmp_path / "data"), "train", 6), "dev": copy_split(str(tmp_path / "data"), "dev", 2)}
+def fresh_corpus(tmp_path):
+    """A small corpus of this test's own, for the tests that change its audio or build caches."""
+    return copy_corpus(tmp_path, FRESH)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """One corpus for the tests that only read it: its latent cache (next to the manifests) is
+    encoded by the first of them and reused by the rest, as a user's second run would."""
+    return copy_corpus(tmp_path_factory.mktemp("tts"))
 
 
 def recipe_config(corpus, tmp_path, *overrides):
@@ -76,14 +86,15 @@ def logged(run_dir, split="train"):
 # ------------------------------------------------------------------------------ the latent cache
 
 
-def test_prepare_is_idempotent(corpus, tmp_path):
+def test_prepare_is_idempotent(fresh_corpus, tmp_path):
+    corpus = fresh_corpus
     cfg = recipe_config(corpus, tmp_path)
     first = ft.prepare_manifest(cfg, corpus["train"])
-    assert first["encoded"] == 6 and first["written"]
+    assert first["encoded"] == FRESH and first["written"]
     folder = first["dir"]
     stamps = {f: os.stat(f).st_mtime_ns for f in glob.glob(os.path.join(folder, "*"))}
     again = ft.prepare_manifest(cfg, corpus["train"])
-    assert (again["encoded"], again["reused"], again["written"]) == (0, 6, False)
+    assert (again["encoded"], again["reused"], again["written"]) == (0, FRESH, False)
     assert {f: os.stat(f).st_mtime_ns for f in glob.glob(os.path.join(folder, "*"))} == stamps  # nothing rewritten
     # changed audio is encoded again, the rest is kept
     row = json.loads(open(corpus["train"]).readline())
@@ -91,15 +102,16 @@ def test_prepare_is_idempotent(corpus, tmp_path):
     wave, sr = __import__("soundfile").read(audio)
     __import__("soundfile").write(audio, wave[: len(wave) // 2], sr, format="OGG", subtype="OPUS")
     third = ft.prepare_manifest(cfg, corpus["train"])
-    assert (third["encoded"], third["reused"]) == (1, 5)
+    assert (third["encoded"], third["reused"]) == (1, FRESH - 1)
     # another VAE starts the cache over; the recipe refuses a cache of another VAE
     other = recipe_config(corpus, tmp_path, "tts.vae_seed=1")
     with pytest.raises(DataError, match="another VAE"):
         prepare_tts.read_cache(corpus["train"], ft.vae_spec(other), 2)
-    assert ft.prepare_manifest(other, corpus["train"])["encoded"] == 6
+    assert ft.prepare_manifest(other, corpus["train"])["encoded"] == FRESH
 
 
-def test_prepare_names_unreadable_audio(corpus, tmp_path):
+def test_prepare_names_unreadable_audio(fresh_corpus, tmp_path):
+    corpus = fresh_corpus
     root = os.path.dirname(corpus["train"])
     with open(os.path.join(root, "audio", "broken.ogg"), "wb") as f:
         f.write(b"OggS" + os.urandom(300))
@@ -113,10 +125,10 @@ def test_prepare_names_unreadable_audio(corpus, tmp_path):
         ft.prepare_manifest(cfg, bad)
     msg = str(e.value)
     assert f"{bad}:3 (id broken)" in msg and "broken.ogg" in msg
-    assert f"{bad}:8 (id missing)" in msg and "missing.ogg" in msg
+    assert f"{bad}:{FRESH + 2} (id missing)" in msg and "missing.ogg" in msg  # the last line
     report = ft.prepare_manifest(recipe_config(corpus, tmp_path, "data.bad_data=skip"), bad)
-    assert (report["encoded"], report["skipped"]) == (6, 2)
-    assert len(prepare_tts.read_cache(bad, ft.vae_spec(cfg), 2)) == 6
+    assert (report["encoded"], report["skipped"]) == (FRESH, 2)
+    assert len(prepare_tts.read_cache(bad, ft.vae_spec(cfg), 2)) == FRESH
 
 
 # ------------------------------------------------------------------------------ batches and the loss

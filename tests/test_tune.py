@@ -22,6 +22,8 @@ from ddptrain.tune import Bucket, PreflightError, TuneError, search_batch_sizes
 
 from _dist import run_ranks
 
+pytestmark = pytest.mark.usefixtures("one_thread_frozen_heap")  # tests/conftest.py: tiny steps, shared cores
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F, H = 4, 8  # feature bins of the synthetic corpus; the model's width (its largest activation: B x T x H)
 DURS = np.round(np.random.default_rng(0).uniform(0.5, 4.0, 160), 2)
@@ -389,7 +391,9 @@ def test_the_gpu_measurement_plan_dry_runs_on_cpu(tmp_path):
 
     out = tmp_path / "tuned.jsonl"
     assert bench_tuned.main(["--dry", "--workloads", "conformer", "--out", str(out)]) == 0
-    hand, tuned = [json.loads(line) for line in open(out)]
+    rows = [json.loads(line) for line in open(out)]
+    assert [(r["variant"], r["pass"]) for r in rows] == [("hand", 1), ("tuned", 1), ("hand", 2), ("tuned", 2)]  # in turns
+    hand, tuned = rows[-2:]  # the last pass is the one compared (the first pays per-shape costs)
     assert (hand["variant"], hand["tuned"], hand["per_bucket"]) == ("hand", False, False)
     assert (tuned["variant"], tuned["tuned"], tuned["per_bucket"]) == ("tuned", True, True)
     assert tuned["plan_batch_sizes"] == tuned["bucket_batch_sizes"]

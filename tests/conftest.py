@@ -1,0 +1,31 @@
+"""Shared test fixtures (kept small: each one says why it exists)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread_frozen_heap():
+    """One intra-op thread and a frozen import-time heap, for modules that train tiny models.
+
+    Threads: on CI's few shared cores, 2 OpenMP threads made a tiny GLM-ASR step ~8x slower
+    than 1 (they spin at every parallel region); the Trainer respects ``OMP_NUM_THREADS``.
+    Heap: the Trainer runs a full ``gc.collect()`` at every epoch end, evaluation and save
+    (StepPacedGC); with transformers imported that walks ~350k objects (~0.3 s), and tiny test
+    epochs of 2 batches made it most of a recipe test's time. ``gc.freeze()`` moves what exists
+    now (the imports) out of the collector's reach: the same collections still run, over the
+    objects the tests make. Both are undone at the end of the module.
+    """
+    gc.collect()
+    gc.freeze()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+    gc.unfreeze()
