@@ -283,9 +283,8 @@ class BudgetWatch:
 
     The tuner measures each bucket's costliest batch in a step of its own; a run holds more than
     that (candidates: cuDNN's workspaces for shapes it has not seen, tensors alive across steps,
-    evaluation). An epoch of wav2vec2-large on an H200 with budgets tuned to 135.1 GB peaked at
-    140.45 GB. A user should learn that from a warning at the first logged step over the target,
-    not from an out-of-memory error hours in. Off (no scalars, no collective) without a budget
+    evaluation; BENCHMARKS.md has a measured case). A user should learn that from a warning at
+    the first logged step over the target, not from an out-of-memory error hours in. Off (no scalars, no collective) without a budget
     file, without a ``memory_target_gb`` in it (a file written by hand), or without a ``meter``
     (off CUDA).
 

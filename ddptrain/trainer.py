@@ -148,6 +148,7 @@ class Trainer:
         self.progress.schedule_steps = self.total_steps
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.total_steps)
         self.preemption = PreemptionFlag(t.preempt_signals)
+        self.budget_watch = preflight.BudgetWatch(None, None, None, print, self.info)  # fit() arms it
         self.gc = StepPacedGC(t.gc_every_steps)  # collector pauses at the same steps on all ranks
         self.stream = StepStream(self.train_data, self.progress, self.rng, t, self.gc.full)
 
