@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -28,21 +27,10 @@ import prepare_tts  # noqa: E402
 
 import ddptrain  # noqa: E402
 from ddptrain.data import DataError  # noqa: E402
+from _tts_data import copy_split  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 
-CORPUS = os.path.join(ROOT, "examples", "data", "dialect")
 vt.import_voxcpm()  # upstream's model code, imported now: the module's frozen heap holds it (see pytestmark)
-
-
-def copy_split(root, split: str, n: int) -> str:
-    os.makedirs(os.path.join(root, "audio", split), exist_ok=True)
-    rows = [json.loads(x) for x in open(os.path.join(CORPUS, f"{split}.jsonl"))][:n]
-    for r in rows:
-        shutil.copy(os.path.join(CORPUS, r["audio_filepath"]), os.path.join(root, r["audio_filepath"]))
-    path = os.path.join(root, f"{split}.jsonl")
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return path
 
 
 # One intra-op thread (on 2 shared cores, 2 threads made these tiny steps many times slower) and

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -33,24 +32,12 @@ import prepare_tts  # noqa: E402
 
 import ddptrain  # noqa: E402
 from _dist import run_ranks  # noqa: E402
+from _tts_data import copy_split  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 
-CORPUS = os.path.join(ROOT, "examples", "data", "dialect")
 CONFIG = os.path.join(ROOT, "configs", "tts_dialect.yaml")
 LORA_TARGETS = ('["base_lm.layers.*.self_attn.[qkvo]_proj",'
                 '"feat_decoder.estimator.decoder.layers.*.self_attn.[qkvo]_proj"]')
-
-
-def copy_split(root: str, split: str, n: int) -> str:
-    """The first ``n`` lines of a shipped split, their audio copied under ``root``."""
-    os.makedirs(os.path.join(root, "audio", split), exist_ok=True)
-    rows = [json.loads(x) for x in open(os.path.join(CORPUS, f"{split}.jsonl"))][:n]
-    for r in rows:
-        shutil.copy(os.path.join(CORPUS, r["audio_filepath"]), os.path.join(root, r["audio_filepath"]))
-    path = os.path.join(root, f"{split}.jsonl")
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    return path
 
 
 @pytest.fixture(autouse=True)
