@@ -65,7 +65,7 @@ import ddptrain  # noqa: E402
 from ddptrain import metrics  # noqa: E402
 from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem  # noqa: E402
 from ddptrain.data.dataset import BadExample, SpeechDataset  # noqa: E402
-from ddptrain.data.validate import check_entries, finish_report, read_entries  # noqa: E402
+from ddptrain.data.validate import check_entries, keep_good, read_entries  # noqa: E402
 from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
                            load_hf_model)
 
@@ -367,14 +367,8 @@ def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, la
                                     f"of glmasr.max_tokens={g.max_tokens}"))
     # the shared bad-data policy (ddptrain/data/validate.py), with our headline: the default
     # one's `python -m ddptrain.data.validate` knows nothing of this model's limits
-    report = finish_report(entries, problems, data.bad_data, headline=f"{manifest}: {{summary}} (bad lines, or too "
-                           "long for this model or batch budget; data.bad_data=skip leaves them out):")
-    if report.problems and rank == 0:
-        print(f"{manifest}: skipped {report.num_skipped} of {report.num_total} utterance(s) (data.bad_data=skip):\n"
-              + "\n".join(f"  {p}" for p in report.problems))
-    keep = report.entries
-    if not keep:
-        raise DataError(f"no utterances left in {manifest!r} (after skipping bad ones)")
+    keep = keep_good(entries, problems, data.bad_data, manifest, f"{manifest}: {{summary}} (bad lines, or too long "
+                     "for this model or batch budget; data.bad_data=skip leaves them out):", print if rank == 0 else None)
     durations = np.array([e.duration * stretch for e in keep])
     dec_lens = np.array([positions[id(e)] for e in keep], dtype=np.float64)
     sampler = make_sampler(durations, dec_lens, g, data, train, world_size, rank)

@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ddptrain  # noqa: E402
 from ddptrain.data import DataError, DurationBucketSampler, Problem  # noqa: E402
-from ddptrain.data.validate import finish_report  # noqa: E402
+from ddptrain.data.validate import keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 from prepare_tts import CachedUtterance, prepare, read_cache  # noqa: E402
 
@@ -248,14 +248,8 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     # the shared bad-data policy (ddptrain/data/validate.py): one problem per line, in manifest
     # order, the bad ones dropped; our own headline, since `python -m ddptrain.data.validate`
     # (the default one's advice) knows nothing of max_length or the latent budgets
-    report = finish_report(utts, problems, data.bad_data, headline=f"{source}: {{summary}} for this model and "
-                           "batch budget (data.bad_data=skip leaves them out):")
-    if report.problems and rank == 0:
-        print(f"{source}: skipped {report.num_skipped} of {report.num_total} utterance(s) (data.bad_data=skip):\n"
-              + "\n".join(f"  {p}" for p in report.problems))
-    keep = report.entries
-    if not keep:
-        raise DataError(f"no utterances left in {source} to train or evaluate on")
+    keep = keep_good(utts, problems, data.bad_data, source, f"{source}: {{summary}} for this model and batch "
+                     "budget (data.bad_data=skip leaves them out):", print if rank == 0 else None)
     ids = [ids[u.id] for u in keep]
     seconds = np.array([u.frames / rate for u in keep])
     sampler = DurationBucketSampler(seconds, max_duration=data.max_duration, max_batch_size=data.max_batch_size,

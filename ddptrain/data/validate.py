@@ -50,7 +50,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Optional, Protocol, Sequence, Union
+from typing import Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import soundfile as sf
@@ -218,6 +218,28 @@ def finish_report(entries: Sequence[Located], problems: Sequence[Problem], polic
         # str.replace, not str.format: a headline naming a path with braces in it stays as it is
         raise DataError.from_problems((headline or DEFAULT_HEADLINE).replace("{summary}", report.summary()), bad)
     return report
+
+
+def keep_good(entries: Sequence[Located], problems: Sequence[Problem], policy: str, source: str, headline: str,
+              say: Optional[Callable[[str], None]] = None) -> list:
+    """:func:`finish_report` for a recipe's own loader: the good entries, the skipped ones told.
+
+    Args:
+        entries, problems, policy, headline: as for :func:`finish_report`.
+        source: the manifest, named in the notice and in the error when nothing is left.
+        say: where the list of skipped lines goes under ``skip`` (rank 0's ``print``; ``None``
+            on the other ranks, so it is said once).
+
+    Raises:
+        DataError: under ``error``, any problem (all listed); under ``skip``, no entry left.
+    """
+    report = finish_report(entries, problems, policy, headline=headline)
+    if report.problems and say is not None:
+        say(f"{source}: skipped {report.num_skipped} of {report.num_total} utterance(s) (data.bad_data=skip):\n"
+            + "\n".join(f"  {p}" for p in report.problems))
+    if not report.entries:
+        raise DataError(f"no utterances left in {source} to train or evaluate on (after skipping bad ones)")
+    return report.entries
 
 
 def check_entries(entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, decode: bool = False,
