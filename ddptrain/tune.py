@@ -57,8 +57,8 @@ from ddptrain import dist
 from ddptrain.config import Config, ConfigError, load_config
 from ddptrain.data.sampler import padded_cost, write_bucket_budgets
 from ddptrain.preflight import (GB, MEMORY_KEYS, Bucket, CudaMemory, PreflightError, before_fit, bucket_sampler,
-                                check_budget_settings, is_oom, loader_batches, lr_zero, memory_settings, preflight,
-                                release, sampler_buckets, train_once)
+                                check_budget_settings, device_meter, is_oom, loader_batches, lr_zero, memory_settings,
+                                preflight, release, sampler_buckets, train_once)
 from ddptrain.trainer import Trainer
 
 # the tuner's own names, and the pre-flight check's (importable from here as before preflight.py)
@@ -141,9 +141,10 @@ def default_meter(device: torch.device) -> CudaMemory:
     Raises:
         ConfigError: not a CUDA device.
     """
-    if device.type != "cuda":
+    meter = device_meter(device)
+    if meter is None:
         raise ConfigError(f"measuring memory needs a CUDA device (the Trainer chose {device})")
-    return CudaMemory(device)
+    return meter
 
 
 def _tuning_config(config, folder: str):
