@@ -309,6 +309,7 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         _append(out, row)
         print(json.dumps({k: row[k] for k in ("name", "tokens_per_s", "mfu", "peak_alloc_gib") if k in row}))
+    ddptrain.dist.teardown()  # a multi-rank job leaves its process group as the examples do
     return 0
 
 

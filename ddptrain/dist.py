@@ -102,8 +102,12 @@ def _restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta)
 
 
 def teardown() -> None:
-    """Destroy the process group (if we made one); safe to call twice."""
+    """Destroy the process group (if we made one); safe to call twice. Every rank calls it at
+    the end of a run: the barrier first, since gloo can abort the process at exit ("terminate
+    called without an active exception") when one rank destroys its group while a peer still
+    has work pending on it."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
