@@ -151,6 +151,10 @@ def test_pessimistic_batch_is_the_longest_input_and_the_longest_target_of_the_bu
         assert len(rows) == 5 and DURS[rows].max() == DURS[members].max()
         assert TOKS[rows].max() == TOKS[members].max() == s.bucket_max_tokens[k]
         assert len(s.pessimistic_batch(k)) == s.bucket_batch_sizes[k]
-    plain = DurationBucketSampler(DURS, **KW)  # without tokens: copies of the longest utterance
-    (row,) = set(plain.pessimistic_batch(3, 4))
-    assert DURS[row] == plain.bucket_edges[3][1]
+    # without tokens: copies of the longest utterance, and one short row so the batch is padded
+    # (a batch of one length would measure the mask-free path that training never takes)
+    plain = DurationBucketSampler(DURS, **KW)
+    rows = plain.pessimistic_batch(3, 4)
+    shortest, longest = plain.bucket_edges[3]
+    assert DURS[rows[0]] == shortest < longest and all(DURS[r] == longest for r in rows[1:])
+    assert set(plain.pessimistic_batch(3, 1)) == {rows[1]}  # one row: the longest, nothing to pad

@@ -207,6 +207,62 @@ def test_find_bucket_budgets_runs_real_steps_and_writes_what_the_sampler_reads(t
         assert trainer.step == len(loaded)
 
 
+class MaskedAttention(nn.Module):
+    """Frame self-attention that, like transformers' SDPA path, drops the padding mask when
+    nothing is padded: with a mask, its largest input (what FakeDevice charges) is the B x T x T
+    mask; without, B x T x H (a flash kernel keeps no T x T tensor)."""
+
+    def forward(self, h, mask):
+        scores = h @ h.transpose(1, 2) / H ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ h
+
+
+class Attending(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.attn, self.out = nn.Linear(F, H), MaskedAttention(), nn.Linear(H, 1)
+
+    def forward(self, x, lens):
+        valid = torch.arange(x.shape[1])[None] < lens[:, None]
+        mask = None if bool(valid.all()) else valid[:, None, :].expand(-1, x.shape[1], -1)  # keys only: finite rows
+        return self.out(self.attn(self.proj(x), mask)).squeeze(-1)
+
+
+def attending_loss(model, batch):
+    lens = batch["feature_lens"]
+    mask = torch.arange(batch["features"].shape[1])[None] < lens[:, None]
+    return ((model(batch["features"], lens) - 1.0) ** 2 * mask).sum(), mask.sum()
+
+
+def test_the_tuner_measures_padded_batches_as_training_runs_them(tmp_path):
+    """Each bucket's costliest batch is padded like a real one: a model that skips its padding
+    mask on an unpadded batch (transformers' SDPA attention) is measured on its masked path, so
+    the tuned epoch stays under the target (measured unpadded, it went over by the mask)."""
+    data = loader()
+    s = data.batch_sampler
+    assert all(len({DURS[r] for r in s.pessimistic_batch(k, 3)}) == 2 for k in range(s.num_buckets))
+    device = FakeDevice(capacity=1e6 + 3e6)
+    target = device.base + 2e6
+    out = tmp_path / "budgets.json"
+    try:
+        doc = tune.find_bucket_budgets(Attending(), attending_loss, config(tmp_path), data, target / 1e9,
+                                       out=str(out), tolerance=0, meter=device, say=lambda line: None)
+        frames = [int(round(hi * 100)) for _, hi in s.bucket_edges]
+        expect = [max(b for b in range(1, n + 1) if device.peak(b * t * t) <= target)  # the mask: B*T*T
+                  for t, n in zip(frames, s.bucket_utterances)]
+        assert [b["batch_size"] for b in doc["buckets"]] == expect
+        loaded = loader(bucket_budgets=str(out))
+        with ddptrain.Trainer(Attending(), attending_loss, config(tmp_path, "trainer.max_epochs=1",
+                                                                  f"data.bucket_budgets={out}"), loaded) as trainer:
+            device.reset()
+            trainer.fit()
+        assert trainer.step == len(loaded) and device.peak() <= target
+    finally:
+        device.close()
+
+
 def test_the_tuner_needs_a_bucket_sampler_and_one_process(tmp_path):
     plain = torch.utils.data.DataLoader(Frames(), batch_size=4)
     with pytest.raises(ddptrain.ConfigError, match="DurationBucketSampler"):

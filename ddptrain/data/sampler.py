@@ -316,7 +316,13 @@ class DurationBucketSampler(Sampler):
         """The costliest batch bucket ``bucket`` can hold, as dataset indices (for the tuner and
         the Trainer's pre-flight check): ``batch_size`` rows (default: the bucket's batch size)
         of its longest utterance and, with ``tokens``, alternately of the utterance with the most
-        tokens, so the padded batch is B x longest input x longest target."""
+        tokens, so the padded batch is B x longest input x longest target.
+
+        The batch is padded as training's batches are: when all its rows have one length, the
+        first becomes the bucket's shortest utterance (the padded shape stays the same). A batch
+        without padding takes a path training never takes: models drop an all-ones padding mask
+        (transformers' SDPA attention does), while masked attention on a GPU keeps a B x T x T
+        bias per layer for backward, gigabytes at long inputs."""
         members = self._buckets[bucket]
         longest = int(members[-1])  # sorted by duration, then tokens
         rows = [longest]
@@ -324,7 +330,12 @@ class DurationBucketSampler(Sampler):
             most = int(members[np.lexsort((self.durations[members], self.tokens[members]))[-1]])
             rows = [longest, most] if most != longest else rows
         n = self._bucket_batch_size[bucket] if batch_size is None else int(batch_size)
-        return [rows[i % len(rows)] for i in range(n)]
+        batch = [rows[i % len(rows)] for i in range(n)]
+        shortest = int(members[0])
+        one_length = len({float(self.durations[r]) for r in rows}) == 1
+        if n > 1 and one_length and self.durations[shortest] < self.durations[longest]:
+            batch[0] = shortest  # the other rows keep the longest input and the most tokens
+        return batch
 
     def budget_identity(self) -> dict:
         """What a budget file records about the data set it was measured on (and is checked
