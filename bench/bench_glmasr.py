@@ -200,7 +200,11 @@ def tiny_tokens() -> dict:
 
 
 def run_ddptrain(args) -> dict:
-    cfg = recipe_cfg(args, OVERRIDES[args.base] + list(args.ov))
+    ov = OVERRIDES[args.base] + list(args.ov)
+    # bench.cg_encoder=true: the whole audio encoder compiled with CUDA graphs (mode
+    # reduce-overhead; its input shape is fixed with 30 s windows), a bench experiment
+    cg_encoder = "bench.cg_encoder=true" in ov
+    cfg = recipe_cfg(args, [o for o in ov if not o.startswith("bench.")])
     info = ddptrain.setup_distributed(cfg)
     tiny = tiny_tokens() if args.preset == "tiny" else None
     from models.glmasr import GlmAsrForTraining, load_hf_model
@@ -209,6 +213,9 @@ def run_ddptrain(args) -> dict:
     with torch.device(info.device):
         hf = load_hf_model("", args.preset, cfg.glmasr.attn_implementation, tiny)
     model = GlmAsrForTraining(hf, cfg.glmasr.freeze_encoder)
+    if cg_encoder:
+        tower = hf.model.audio_tower
+        tower.forward = torch.compile(tower.forward, mode="reduce-overhead", dynamic=False)
     layout = fg.synthetic_layout(hf.config)
     flops = GlmAsrFlops(hf)
     loader = fg.build_synthetic_loader(cfg, layout, hf.config.text_config.vocab_size, 1, 0,
@@ -233,11 +240,16 @@ def run_ddptrain(args) -> dict:
     logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
-             "ov": OVERRIDES[args.base] + list(args.ov), "data_wait_frac": waits,
+             "ov": ov, "data_wait_frac": waits,
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
              **step_record(calls, w, n)}
     if args.profile:
         extra["profile"] = profile_steps(trainer, loader)
+        if torch.cuda.is_available():
+            from profiling import gap_owners  # bench/profiling.py
+
+            it = iter(loader)
+            extra["profile"]["gaps"] = gap_owners(lambda b: trainer.train_step([b]), [next(it) for _ in range(2)], top=10)
     return summarize(args, elapsed, [c[1] for c in calls[w:w + n]], extra)
 
 

@@ -125,19 +125,23 @@ def skips_on_device(optimizer) -> bool:
     return bool(getattr(inner, "_step_supports_amp_scaling", False))
 
 
-def step_unless(optimizer, found_inf: torch.Tensor) -> None:
+def step_unless(optimizer, found_inf: torch.Tensor, grad_scale: Optional[torch.Tensor] = None) -> None:
     """``optimizer.step()``, except that where ``found_inf`` (a 0-d float tensor on the device) is
-    non-zero the fused kernel leaves weights, moments and step counts untouched.
+    non-zero the fused kernel leaves weights, moments and step counts untouched; with
+    ``grad_scale`` (0-d, on the device) it steps on ``grad / grad_scale``.
 
     Why: the decision stays on the device, so the step can be queued before the host has read
     whether it was finite (see ``Trainer.train_step``). Requires :func:`skips_on_device`.
     """
     inner = optimizer.optim if is_zero(optimizer) else optimizer
     inner.found_inf = found_inf
+    if grad_scale is not None:
+        inner.grad_scale = grad_scale
     try:
         optimizer.step()
     finally:
         del inner.found_inf
+        inner.__dict__.pop("grad_scale", None)
 
 
 def lr_lambda(cfg: SchedulerConfig, total_steps: int) -> Callable[[int], float]:

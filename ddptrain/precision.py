@@ -142,18 +142,24 @@ class MasterWeights:
         """Master gradients = ``factor`` x the (all-reduced) model gradients, in fp32.
 
         Args:
-            factor: the Trainer's normalisation and clipping scale for this step (a float, or a
-                0-d tensor on the device when the step is decided there).
+            factor: the Trainer's normalisation and clipping scale for this step (a float), or
+                None: the gradients as they are (a fused optimizer applies the factor itself).
             owned: under ZeRO, the ids of the masters this rank updates; the others get none.
         """
         cast = [(p, m) for p, m in self._cast if p.grad is not None and (owned is None or id(m) in owned)]
         if cast:
-            grads = [p.grad.float() for p, _ in cast]
-            torch._foreach_mul_(grads, factor)
+            # views of one fp32 buffer, filled by one multi-tensor copy: not a cast kernel and an
+            # allocation per parameter (the buffer is freed when the optimizer drops the grads)
+            sizes = [-(-p.numel() // 16) * 16 for p, _ in cast]  # 64-byte aligned views: vectorised kernels
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=cast[0][0].device)
+            grads = [g[:p.numel()].view(p.shape) for g, (p, _) in zip(flat.split(sizes), cast)]
+            torch._foreach_copy_(grads, [p.grad for p, _ in cast])
+            if factor is not None:
+                torch._foreach_mul_(grads, factor)
             for (_, m), g in zip(cast, grads):
                 m.grad = g
         kept = [p.grad for p in self._kept if p.grad is not None]
-        if kept:
+        if kept and factor is not None:
             torch._foreach_mul_(kept, factor)
 
     @torch.no_grad()

@@ -76,8 +76,10 @@ class StepUpdate:
             factor = factor * torch.where(norm_t > self.clip, self.clip / (norm_t + 1e-6), 1.0)
         report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), negative_t, factor])
         if self.on_device:
-            self._scale_grads(grads, factor.float())
-            step_unless(self.optimizer, found_inf=(~finite_t).float())
+            # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
+            # finite): one pass over every gradient fewer than scaling them first
+            self._scale_grads(grads, None)
+            step_unless(self.optimizer, found_inf=(~finite_t).float(), grad_scale=factor.reciprocal().float())
             if self.master:
                 self.master.copy_to_model()  # after a skip the masters are unchanged: a no-op copy
             loss, units, stop, norm, finite, negative, _ = report.tolist()
@@ -99,11 +101,11 @@ class StepUpdate:
                 "preempt": stop > 0, "stepped": stepped}
 
     def _scale_grads(self, grads: list, factor) -> None:
-        """Gradients (a float or a 0-d device tensor) x ``factor``; with masters, into their fp32
-        gradients (only this rank's shard under ZeRO)."""
+        """Gradients x ``factor`` (a float; None: left to the optimizer); with masters, into their
+        fp32 gradients (only this rank's shard under ZeRO)."""
         if not grads:
             return
         if self.master:
             self.master.load_grads(factor, self._owned)
-        else:
+        elif factor is not None:
             torch._foreach_mul_(grads, factor)

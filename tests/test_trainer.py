@@ -112,16 +112,19 @@ def test_two_ranks_equal_one_rank_big_batch_and_accumulation(tmp_path):
         torch.testing.assert_close(params_of(acc)[k], v, rtol=1e-5, atol=1e-6, msg=f"accumulation vs big batch: {k}")
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_step_decided_on_device_equals_host_decision(tmp_path, clip):
-    """A fused AdamW (skip and clip decided on the device, no host sync before the step) trains
-    to the same weights as the foreach AdamW (decided on the host), with clipping active or not."""
+@pytest.mark.parametrize("clip,param_dtype", [(0.0, "fp32"), (0.05, "fp32"), (0.05, "bf16")])
+def test_step_decided_on_device_equals_host_decision(tmp_path, clip, param_dtype):
+    """A fused AdamW (skip and clip decided on the device, no host sync before the step, the
+    normalisation and clip factor applied inside the kernel as its grad_scale) trains to the same
+    weights as the foreach AdamW (decided on the host), with clipping active or not, with fp32
+    parameters or bf16 ones and fp32 masters."""
     runs = {}
     for fused in ("true", "false"):
         torch.manual_seed(0)
         model = FrameMLP()
         cfg = make_cfg(tmp_path / fused, "trainer.max_steps=4", f"optim.fused={fused}",
-                       f"trainer.clip_grad_norm={clip}", "checkpoint.save_at_end=false")
+                       f"trainer.clip_grad_norm={clip}", "checkpoint.save_at_end=false",
+                       *([f"trainer.param_dtype={param_dtype}", "trainer.precision=bf16"] if param_dtype == "bf16" else []))
         trainer = ddptrain.Trainer(model, frame_loss, cfg, [b for mb in micro_batches(4) for b in mb])
         assert trainer.skip_on_device == (fused == "true")
         norms = [trainer.train_step([b])["grad_norm"] for b in [b for mb in micro_batches(4) for b in mb][:4]]
@@ -131,7 +134,7 @@ def test_step_decided_on_device_equals_host_decision(tmp_path, clip):
     torch.manual_seed(0)
     start = params_of(FrameMLP())
     for k, v in runs["false"].items():
-        assert not torch.allclose(v, start[k]), f"{k} did not train"
+        assert not torch.allclose(v.float(), start[k]), f"{k} did not train"
         torch.testing.assert_close(runs["true"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
