@@ -56,6 +56,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -474,7 +475,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per peer (its start and compile included)")
     p.add_argument("--hf-compile-timeout", type=float, default=200.0, help="seconds for hf_compile (whole-model compile)")
-    p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=v: a ddptrain peer with these overrides")
+    p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=[a,b]: a ddptrain peer with these overrides")
     p.add_argument("--profile", action="store_true", help="ddptrain peers: also profile 2 steps (kernel times)")
     p.add_argument("--peer", help=argparse.SUPPRESS)  # internal: run one peer in this process
     p.add_argument("--row", help=argparse.SUPPRESS)
@@ -488,7 +489,7 @@ def main(argv=None) -> int:
         return 0
     named = dict(o.split("=", 1) for o in args.ov)
     for name, ov in named.items():
-        OVERRIDES[name] = ov.split(",")
+        OVERRIDES[name] = re.split(r",(?![^\[]*\])", ov)  # not at the commas of a [list] value
     peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
