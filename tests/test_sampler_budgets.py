@@ -158,3 +158,9 @@ def test_pessimistic_batch_is_the_longest_input_and_the_longest_target_of_the_bu
     shortest, longest = plain.bucket_edges[3]
     assert DURS[rows[0]] == shortest < longest and all(DURS[r] == longest for r in rows[1:])
     assert set(plain.pessimistic_batch(3, 1)) == {rows[1]}  # one row: the longest, nothing to pad
+    # one duration (30 s windows bucketed by transcript): the targets are padded instead
+    windows = DurationBucketSampler(np.full(DURS.size, 30.0), tokens=TOKS, max_duration=300, max_tokens=600,
+                                    num_buckets=4)
+    for k in range(4):
+        rows = windows.pessimistic_batch(k, 3)
+        assert TOKS[rows].max() == windows.bucket_max_tokens[k] > TOKS[rows].min()

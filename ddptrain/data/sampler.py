@@ -318,11 +318,11 @@ class DurationBucketSampler(Sampler):
         of its longest utterance and, with ``tokens``, alternately of the utterance with the most
         tokens, so the padded batch is B x longest input x longest target.
 
-        The batch is padded as training's batches are: when all its rows have one length, the
-        first becomes the bucket's shortest utterance (the padded shape stays the same). A batch
-        without padding takes a path training never takes: models drop an all-ones padding mask
-        (transformers' SDPA attention does), while masked attention on a GPU keeps a B x T x T
-        bias per layer for backward, gigabytes at long inputs."""
+        The batch is padded as training's batches are: when all its rows have one length (or,
+        with ``tokens``, one token count), the first becomes the bucket's shortest utterance (the
+        padded shape stays the same). A batch without padding takes a path training never takes:
+        models drop an all-ones padding mask (transformers' SDPA attention does), while masked
+        attention on a GPU keeps a B x T x T bias per layer for backward, gigabytes at long inputs."""
         members = self._buckets[bucket]
         longest = int(members[-1])  # sorted by duration, then tokens
         rows = [longest]
@@ -331,10 +331,13 @@ class DurationBucketSampler(Sampler):
             rows = [longest, most] if most != longest else rows
         n = self._bucket_batch_size[bucket] if batch_size is None else int(batch_size)
         batch = [rows[i % len(rows)] for i in range(n)]
-        shortest = int(members[0])
-        one_length = len({float(self.durations[r]) for r in rows}) == 1
-        if n > 1 and one_length and self.durations[shortest] < self.durations[longest]:
-            batch[0] = shortest  # the other rows keep the longest input and the most tokens
+        first = int(members[0])  # the shortest utterance (of those, the fewest tokens)
+
+        def unpadded(values) -> bool:  # every row has one value, and the bucket a smaller one
+            return len({float(values[r]) for r in rows}) == 1 and values[first] < values[longest]
+
+        if n > 1 and (unpadded(self.durations) or (self.tokens is not None and unpadded(self.tokens))):
+            batch[0] = first  # the other rows keep the longest input and the most tokens
         return batch
 
     def budget_identity(self) -> dict:
