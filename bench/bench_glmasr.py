@@ -39,10 +39,11 @@ device sync. MFU = FLOPs of the padded batches as that peer computes them / (tim
 the dense bf16 peak of one H100/H200 SXM). Per batch of B utterances in R chunk rows of T mel
 frames and a decoder padded to L positions: encoder ``6 * P_enc_layers * R * T/2 + 12 * n_enc *
 d_enc * R * (T/2)^2`` + convs (conv1 2x forward: its input needs no gradient; conv2 3x) +
-projector ``6 * P_proj * R * T/8``; decoder ``6 * P_dec_layers * B * L + 6 * n_dec * d_dec * B *
+projector ``6 * P_proj * N``; decoder ``6 * P_dec_layers * B * L + 6 * n_dec * d_dec * B *
 L^2`` (causal: half of the full attention's 12); LM head ``6 * vocab * d_dec * K``, with K = B * L
-for the HF forward (logits everywhere) and K = target tokens for ddptrain's. Recomputation is
-not counted.
+for the HF forward (logits everywhere) and K = target tokens for ddptrain's, and N = R * T/8 for
+the HF forward (the projector on every frame) and N = the audio placeholders for ddptrain's.
+Recomputation is not counted.
 
     python bench/bench_glmasr.py --out bench/results/h200x1_2026-12-01_glmasr.jsonl \\
         --peers hf,hf_ds2,bare,ddptrain,ddptrain_best,ddptrain_best_cut
@@ -115,11 +116,11 @@ class GlmAsrFlops:
         self.n_dec, self.d_dec = c.text_config.num_hidden_layers, c.text_config.hidden_size
         self.mel, self.vocab = c.audio_config.num_mel_bins, c.text_config.vocab_size
 
-    def __call__(self, rows: int, frames: int, batch: int, length: int, logits: int) -> float:
+    def __call__(self, rows: int, frames: int, batch: int, length: int, logits: int, projected: int) -> float:
         t2 = frames // 2
         enc = 6.0 * self.p_enc * rows * t2 + 12.0 * self.n_enc * self.d_enc * rows * t2 * t2
         conv = rows * (2.0 * 2 * frames * self.mel * 3 * self.d_enc + 3.0 * 2 * t2 * self.d_enc * 3 * self.d_enc)
-        proj = 6.0 * self.p_proj * rows * (frames // 8)
+        proj = 6.0 * self.p_proj * projected
         dec = 6.0 * self.p_dec * batch * length + 6.0 * self.n_dec * self.d_dec * batch * length * length
         return enc + conv + proj + dec + 6.0 * self.vocab * self.d_dec * logits
 
@@ -137,9 +138,10 @@ class StatsCollate:
         bsz, length = ids.shape
         feats = b["features"]
         logits = bsz * length if self.hf else b["labels"].numel()
+        projected = feats.shape[0] * (feats.shape[1] // 8) if self.hf else b["audio_src"].numel()
         stats = {"n": bsz, "audio_s": float(sum(e["audio"].numel() for e in examples)) / SR,
                  "rows": feats.shape[0], "frames": feats.shape[1], "length": length,
-                 "flops": self.flops(feats.shape[0], feats.shape[1], bsz, length, logits)}
+                 "flops": self.flops(feats.shape[0], feats.shape[1], bsz, length, logits, projected)}
         if not self.hf:
             b["stats"] = stats
             return b
@@ -202,9 +204,11 @@ def tiny_tokens() -> dict:
 
 def run_ddptrain(args) -> dict:
     ov = OVERRIDES[args.base] + list(args.ov)
-    # bench.cg_encoder=true: the whole audio encoder compiled with CUDA graphs (mode
-    # reduce-overhead; its input shape is fixed with 30 s windows), a bench experiment
-    cg_encoder = "bench.cg_encoder=true" in ov
+    # bench.cudagraphs=A+B: modules of these classes compiled whole with CUDA graphs (mode
+    # reduce-overhead, a graph per input shape), a bench experiment; bench.cg_encoder=true: the
+    # audio encoder (call s8a's name)
+    cg = [o.split("=", 1)[1].split("+") for o in ov if o.startswith("bench.cudagraphs=")]
+    cg = (cg[0] if cg else []) + (["GlmAsrEncoder"] if "bench.cg_encoder=true" in ov else [])
     cfg = recipe_cfg(args, [o for o in ov if not o.startswith("bench.")])
     info = ddptrain.setup_distributed(cfg)
     tiny = tiny_tokens() if args.preset == "tiny" else None
@@ -214,9 +218,8 @@ def run_ddptrain(args) -> dict:
     with torch.device(info.device):
         hf = load_hf_model("", args.preset, cfg.glmasr.attn_implementation, tiny)
     model = GlmAsrForTraining(hf, cfg.glmasr.freeze_encoder)
-    if cg_encoder:
-        tower = hf.model.audio_tower
-        tower.forward = torch.compile(tower.forward, mode="reduce-overhead", dynamic=False)
+    for module in (m for m in model.modules() if type(m).__name__ in cg):
+        module.forward = torch.compile(module.forward, mode="reduce-overhead")
     layout = fg.synthetic_layout(hf.config)
     flops = GlmAsrFlops(hf)
     loader = fg.build_synthetic_loader(cfg, layout, hf.config.text_config.vocab_size, 1, 0,

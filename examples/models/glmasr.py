@@ -88,14 +88,15 @@ class GlmAsrForTraining(nn.Module):
         if freeze_encoder:
             self.hf.model.audio_tower.requires_grad_(False)
 
-    def audio_embeddings(self, features: torch.Tensor) -> torch.Tensor:
-        """(R, T, mel) log-mel chunks, T a multiple of 8 -> (R * T // 8, d_model) LLM embeddings."""
+    def audio_embeddings(self, features: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """(R, T, mel) log-mel chunks, T a multiple of 8 -> the LLM embeddings at ``index`` of the
+        flattened (R * T // 8) ones. The projector runs on those only, not on the padding."""
         rows = features.shape[0]
         tower = self.hf.model.audio_tower
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_encoder):
             hidden = tower(features.transpose(1, 2).to(tower.conv1.weight.dtype), return_dict=True).last_hidden_state
-        hidden = hidden.reshape(rows, -1, hidden.shape[-1] * self.merge)
-        return self.hf.model.multi_modal_projector(hidden).flatten(0, 1)
+        hidden = hidden.reshape(rows * (hidden.shape[1] // self.merge), hidden.shape[-1] * self.merge)
+        return self.hf.model.multi_modal_projector(hidden.index_select(0, index))
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, audio_src: torch.Tensor,
                 audio_dst: torch.Tensor, pred_index: torch.Tensor) -> torch.Tensor:
@@ -114,7 +115,7 @@ class GlmAsrForTraining(nn.Module):
         b, length = input_ids.shape
         lm = self.hf.model.language_model
         embeds = lm.embed_tokens(input_ids).flatten(0, 1)
-        audio = self.audio_embeddings(features).index_select(0, audio_src)
+        audio = self.audio_embeddings(features, audio_src)
         embeds = embeds.index_copy(0, audio_dst, audio.to(embeds.dtype)).view(b, length, -1)
         hidden = lm(inputs_embeds=embeds, use_cache=False).last_hidden_state
         return self.hf.lm_head(hidden.flatten(0, 1).index_select(0, pred_index))
