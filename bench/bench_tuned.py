@@ -31,7 +31,11 @@ Steps, all under one memory target (``--memory-gb``, default 90% of the GPU):
 
 Rows: ``workload``, ``variant`` (hand | tuned), ``tuned`` and ``per_bucket`` (True for the
 per-bucket budgets), ``budget`` (M* for hand), the throughput figures, ``tuning_s``,
-``memory_target_gb``, versions, GPU and date.
+``memory_target_gb``, the tuner's per-bucket sizes and peaks (``bucket_batch_sizes``,
+``bucket_peak_gb``, ``base_gb``), where training peaked (``peak_step``, ``peak_bucket``,
+``peak_batch``, ``tuner_peak_gb`` of that bucket, ``peak_alloc_gb_after_step``,
+``peak_reserved_gb``, ``alloc_retries``), ``wall_s`` since the workload started, versions, GPU
+and date. Each row is appended as its variant finishes.
 
     python bench/bench_tuned.py --workloads wav2vec2,conformer,glmasr --out bench/results/h200x1_DATE_tuned.jsonl
     python bench/bench_tuned.py --dry --out /tmp/tuned.jsonl      # CPU: tiny models, a stand-in meter
@@ -173,12 +177,52 @@ def best_single_budget(doc: dict, sampler) -> float:
     return math.nextafter(min(bound), 0.0) if bound else max(b["padded_s"] for b in doc["buckets"])
 
 
-def train_epoch(model, loss, cfg, loader, warmup: int) -> dict:
+def cuda_peak() -> float:
+    """The allocator's peak so far; host-side bookkeeping, so reading it every step costs no sync."""
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0.0
+
+
+def batch_bucket(batch: dict, sampler) -> int | None:
+    """The bucket a batch came from, found from its utterance ids (the synthetic corpora's ids are
+    dataset indices): the first whose longest input and most tokens reach the batch's."""
+    try:
+        rows = [int(i) for i in batch.get("ids") or []]
+    except (TypeError, ValueError):
+        return None
+    if not rows:
+        return None
+    longest = float(sampler.durations[rows].max())
+    most = None if sampler.tokens is None else float(sampler.tokens[rows].max())
+    tokens = sampler.bucket_max_tokens
+    for k, (_, hi) in enumerate(sampler.bucket_edges):
+        if hi >= longest and (most is None or tokens[k] >= most):
+            return k
+    return None
+
+
+def peak_record(calls, final: float, doc: dict) -> dict:
+    """Where training's peak happened: the step, its batch and bucket, what the tuner measured for
+    that bucket, and the allocator's reserved peak and retries (cudaFree-and-retry after a miss)."""
+    if not torch.cuda.is_available() or not calls:
+        return {}
+    after = [c[2] for c in calls[1:]] + [final]  # the peak after step 1, 2, ... (read at the next loss call)
+    i = next(k for k, peak in enumerate(after) if peak >= final)
+    stats, bucket = calls[i][1], calls[i][3]
+    mem = torch.cuda.memory_stats()
+    return {"peak_step": i + 1, "peak_bucket": bucket,
+            "peak_batch": {k: stats[k] for k in ("n", "padded_s", "frames", "length") if k in stats},
+            "tuner_peak_gb": None if bucket is None else doc["buckets"][bucket]["peak_gb"],
+            "peak_reserved_gb": torch.cuda.max_memory_reserved() / GB,
+            "alloc_retries": mem.get("num_alloc_retries", 0),
+            "peak_alloc_gb_after_step": [round(p / GB, 3) for p in after]}
+
+
+def train_epoch(model, loss, cfg, loader, warmup: int, doc: dict) -> dict:
     """One epoch plan; throughput after ``warmup`` steps (host clock at each loss call)."""
-    calls = []
+    calls = []  # (host clock, batch stats, allocator peak so far, bucket)
 
     def timed(m, batch):
-        calls.append((time.perf_counter(), batch.pop("stats")))
+        calls.append((time.perf_counter(), batch.pop("stats"), cuda_peak(), batch_bucket(batch, loader.batch_sampler)))
         return loss(m, batch)
 
     if torch.cuda.is_available():
@@ -192,19 +236,23 @@ def train_epoch(model, loss, cfg, loader, warmup: int) -> dict:
     end = time.perf_counter()
     timed_calls = calls[min(warmup, len(calls) - 1):]
     elapsed = end - timed_calls[0][0]
-    n = sum(s["n"] for _, s in timed_calls)
-    audio = sum(s["audio_s"] for _, s in timed_calls)
+    n = sum(c[1]["n"] for c in timed_calls)
+    audio = sum(c[1]["audio_s"] for c in timed_calls)
     return {"steps": len(calls), "epoch_s": round(end - start, 2), "samples_per_s": n / elapsed,
             "audio_s_per_s": audio / elapsed, "padding_frac": stats["padding_fraction"],
             "batch_size_mean": stats["batch_size_mean"], "budget_fill": stats["budget_fill"],
-            "peak_alloc_gb": torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else None}
+            "peak_alloc_gb": cuda_peak() / GB if torch.cuda.is_available() else None,
+            **peak_record(calls, cuda_peak(), doc)}
 
 
 # ------------------------------------------------------------------------------------ main
 
 
-def run_workload(args, workload: str, folder: str) -> list[dict]:
+def run_workload(args, workload: str, folder: str, emit) -> None:
+    """Tune, then train the variants in turns; ``emit(row)`` as each finishes (a command cut off
+    by its time limit keeps the rows written so far)."""
     meter = ModuleInputMeter(args.memory_gb * 1.25) if args.dry else None
+    start = time.perf_counter()
     try:
         cfg = config(args, workload, os.path.join(folder, "tune"))
         model, loss, loader = build(args, workload, cfg)
@@ -213,7 +261,6 @@ def run_workload(args, workload: str, folder: str) -> list[dict]:
                                        meter=meter, say=lambda line: print(workload, line, flush=True))
         del model
         hand = best_single_budget(doc, loader.batch_sampler)
-        rows = []
         # in turns, ``--passes`` times: the first pass pays the per-shape costs (cuDNN plans,
         # autotuning) for whichever variant runs first; the last pass compares warm variants
         order = [("hand", {"max_duration": hand}), ("tuned", {"bucket_budgets": budgets})] * args.passes
@@ -223,17 +270,18 @@ def run_workload(args, workload: str, folder: str) -> list[dict]:
             row = {"workload": workload, "variant": variant, "tuned": variant == "tuned",
                    "per_bucket": variant == "tuned", "budget": hand if variant == "hand" else None,
                    "memory_target_gb": doc["memory_target_gb"], "tuning_s": doc["tuning_s"],
-                   "bucket_batch_sizes": [b["batch_size"] for b in doc["buckets"]], "pass": i // 2 + 1,
-                   "passes": args.passes}
+                   "bucket_batch_sizes": [b["batch_size"] for b in doc["buckets"]],
+                   "bucket_peak_gb": [b["peak_gb"] for b in doc["buckets"]], "base_gb": doc["base_gb"],
+                   "pass": i // 2 + 1, "passes": args.passes}
             try:
                 loader = with_sampler(loader, **change)
                 row["plan_batch_sizes"] = loader.batch_sampler.bucket_batch_sizes
-                row.update(train_epoch(model, loss, cfg, loader, args.warmup))
+                row.update(train_epoch(model, loss, cfg, loader, args.warmup, doc))
             except Exception as e:  # an OOM (or anything) is a result row, not a lost session
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             del model
-            rows.append(row)
-        return rows
+            row["wall_s"] = round(time.perf_counter() - start, 1)  # since the workload started (incl. tuning)
+            emit(row)
     finally:
         if meter is not None:
             meter.close()
@@ -258,20 +306,25 @@ def main(argv=None) -> int:
     from run import versions
 
     failed = 0
+
+    def emit(row: dict) -> None:
+        nonlocal failed
+        row.update(versions(), dry=args.dry, utterances=args.utterances, buckets=args.buckets)
+        failed += "error" in row
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = {k: v for k, v in row.items() if not k.endswith(("batch_sizes", "_gb_after_step", "bucket_peak_gb"))}
+        print("RESULT", json.dumps(shown), flush=True)
+
+    unknown = [w for w in args.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload {unknown[0]!r} (known: {', '.join(WORKLOADS)})")
     with tempfile.TemporaryDirectory() as folder:
         for workload in args.workloads.split(","):
-            if workload not in WORKLOADS:
-                raise SystemExit(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
             try:
-                rows = run_workload(args, workload, os.path.join(folder, workload))
+                run_workload(args, workload, os.path.join(folder, workload), emit)
             except Exception as e:  # noqa: BLE001 - recorded, and the exit status says so
-                rows = [{"workload": workload, "error": f"{type(e).__name__}: {str(e)[:500]}"}]
-            with open(args.out, "a") as f:
-                for row in rows:
-                    row.update(versions(), dry=args.dry, utterances=args.utterances, buckets=args.buckets)
-                    failed += "error" in row
-                    f.write(json.dumps(row) + "\n")
-                    print("RESULT", json.dumps({k: v for k, v in row.items() if not k.endswith("batch_sizes")}), flush=True)
+                emit({"workload": workload, "error": f"{type(e).__name__}: {str(e)[:500]}"})
     return 1 if failed else 0
 
 

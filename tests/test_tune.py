@@ -455,3 +455,25 @@ def test_the_gpu_measurement_plan_dry_runs_on_cpu(tmp_path):
     assert tuned["plan_batch_sizes"] == tuned["bucket_batch_sizes"]
     assert all(h <= t for h, t in zip(hand["plan_batch_sizes"], tuned["bucket_batch_sizes"]))
     assert hand["steps"] > 0 and tuned["samples_per_s"] > 0 and hand["budget"] > 0
+    assert all(r["wall_s"] > 0 and len(r["bucket_peak_gb"]) == len(r["bucket_batch_sizes"]) for r in rows)
+
+
+def test_the_gpu_rows_say_where_trainings_peak_happened(monkeypatch):
+    """bench_tuned's peak record: the step whose batch raised the allocator's peak to its final
+    value, that batch's bucket (from its utterance ids) and the tuner's peak for that bucket."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_tuned
+
+    s = loader().batch_sampler
+    for rows in list(s)[:6]:
+        k = bench_tuned.batch_bucket({"ids": [str(i) for i in rows]}, s)
+        assert DURS[rows].max() <= s.bucket_edges[k][1] and (k == 0 or DURS[rows].max() > s.bucket_edges[k - 1][1])
+    assert bench_tuned.batch_bucket({"ids": ["a"]}, s) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 2})
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 9e9)
+    calls = [(0.0, {"n": 4}, 1e9, 0), (0.1, {"n": 2}, 5e9, 1), (0.2, {"n": 3}, 7e9, 0)]  # peak read at each call
+    doc = {"buckets": [{"peak_gb": 6.5}, {"peak_gb": 6.9}]}
+    got = bench_tuned.peak_record(calls, 7e9, doc)
+    assert (got["peak_step"], got["peak_bucket"], got["peak_batch"], got["tuner_peak_gb"]) == (2, 1, {"n": 2}, 6.9)
+    assert got["peak_alloc_gb_after_step"] == [5.0, 7.0, 7.0] and got["alloc_retries"] == 2
