@@ -281,12 +281,13 @@ def before_fit(trainer) -> "BudgetWatch":
 class BudgetWatch:
     """Training's peak memory against the target its budget file was measured for.
 
-    The tuner measures each bucket's costliest batch in a step of its own; a run holds more than
-    that (candidates: cuDNN's workspaces for shapes it has not seen, tensors alive across steps,
-    evaluation; BENCHMARKS.md has a measured case). A user should learn that from a warning at
-    the first logged step over the target, not from an out-of-memory error hours in. Off (no scalars, no collective) without a budget
-    file, without a ``memory_target_gb`` in it (a file written by hand), or without a ``meter``
-    (off CUDA).
+    The tuner measures each bucket's costliest batch in a step of its own; a run can hold more
+    than that (cuDNN's workspaces for shapes it has not seen, tensors alive across steps,
+    evaluation, a model path the tuner's batch did not take; BENCHMARKS.md has a measured case).
+    A user should learn that from a warning at the first logged step over the target, not from
+    an out-of-memory error hours in. Off (no scalars, no collective) without a budget file,
+    without a ``memory_target_gb`` in it (a file written by hand), or without a ``meter`` (off
+    CUDA).
 
     Args:
         path: the budget file (``data.bucket_budgets``), named in the warning.

@@ -5,7 +5,8 @@ ways at once: the longest utterances run out of memory hours into a run while th
 leave the GPU half empty (attention grows with length squared; NeMo's OOMptimizer found 5x larger
 batches on Canary-1B this way). The tuner runs, for each bucket of the training sampler, the
 costliest batch that bucket can produce (:meth:`DurationBucketSampler.pessimistic_batch`:
-B rows of its longest input and, with a second length, its longest target) through one real
+B rows of its longest input and, with a second length, its longest target, padded as training's
+batches are, so a model takes its masked path as it does in training) through one real
 training step: the Trainer's own model set-up (device, recompute, compile, bf16 masters), loss,
 backward, clipping and optimizer step, at the config's precision. It searches the largest B
 whose peak memory (``torch.cuda.max_memory_allocated``) stays under a target and writes a budget
@@ -25,8 +26,9 @@ The search, per bucket from the longest to the shortest: start from the previous
 (activations grow linearly in B), then bisect between the largest size that fitted and the
 smallest that did not, until they are within ``tolerance``. Between tries the gradients are
 freed and ``torch.cuda.empty_cache`` runs; after an out-of-memory error the exception and its
-traceback are dropped first and ``gc`` collects the cycles that still hold the activations. The optimizer state is allocated once, by a warm-up step, and kept:
-a real run's forward and backward run with it resident. Every step runs at learning rate 0, so
+traceback are dropped first and ``gc`` collects the cycles that still hold the activations.
+The optimizer state is allocated once, by a warm-up step, and kept: a real run's forward and
+backward run with it resident. Every step runs at learning rate 0, so
 the weights do not move.
 
 What a single-process measurement leaves out: NCCL's buffers (outside PyTorch's allocator) and
