@@ -25,7 +25,7 @@ def setup_distributed(config: Config) -> DistInfo:
 
     Call it before building rank-aware data loaders, so samplers can read the rank and world size.
     """
-    return _setup(config.dist.backend, config.dist.timeout_s, config.trainer.device)
+    return _setup(config.dist.backend, config.dist.timeout_s, config.trainer.device, config.trainer.cuda_alloc_conf)
 
 
 __all__ = ["Trainer", "TrainingError", "Config", "ConfigError", "load_config", "setup_distributed",

@@ -46,6 +46,7 @@ class TrainerConfig:
     eval_every: int = 0  # evaluate every N optimizer steps; 0 = only at the end
     max_nonfinite_steps: int = 5  # abort after this many consecutive non-finite steps
     device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu; cuda: cuda:LOCAL_RANK
+    cuda_alloc_conf: str = "expandable_segments:True"  # PyTorch's CUDA allocator settings when PYTORCH_CUDA_ALLOC_CONF is unset; "" = PyTorch's defaults
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower; for bitwise tests)
     fp16_init_scale: float = 65536.0  # GradScaler initial loss scale
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
@@ -298,6 +299,7 @@ RULES: dict[str, Rule] = {
     "trainer.eval_every": at_least(0),
     "trainer.max_nonfinite_steps": at_least(1),
     "trainer.device": one_of("auto", "cpu", "cuda"),
+    "trainer.cuda_alloc_conf": ANY,
     "trainer.deterministic": ANY,
     "trainer.fp16_init_scale": above(0),
     "trainer.fp16_min_scale": at_least(0),

@@ -41,7 +41,23 @@ class DistInfo:
         return self.backend is not None
 
 
-def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto") -> DistInfo:
+def configure_allocator(conf: str) -> None:
+    """PyTorch's CUDA caching-allocator settings, unless the user set ``PYTORCH_CUDA_ALLOC_CONF``.
+
+    Why ``expandable_segments:True`` by default: batches of varying shapes (every bucket its own)
+    leave the default allocator's fixed segments fragmented; on one H200 a Conformer epoch with
+    per-bucket budgets ran out of memory with 124 GiB allocated and 14 GiB reserved but unusable.
+    Expandable segments grow and shrink in place instead.
+    """
+    if not conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # read when CUDA initialises (and by child processes)
+    if torch.cuda.is_initialized():  # CUDA already in use: new segments follow the settings
+        torch._C._accelerator_setAllocatorSettings(conf)
+
+
+def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
+          cuda_alloc_conf: str = "") -> DistInfo:
     """Initialise the process group from torchrun's environment, or run as a single process.
 
     Args:
@@ -50,6 +66,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto")
             instead of an endless wait (NCCL also needs async error handling for that, which
             torch enables by default).
         device: ``auto`` uses ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+        cuda_alloc_conf: ``trainer.cuda_alloc_conf`` (see :func:`configure_allocator`).
 
     Returns:
         The rank, world size, local rank, device and backend of this process.
@@ -63,6 +80,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise RuntimeError("trainer.device asks for CUDA but torch.cuda.is_available() is False")
+        configure_allocator(cuda_alloc_conf)
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     else:
