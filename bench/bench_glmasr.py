@@ -157,6 +157,11 @@ class StatsCollate:
 # ------------------------------------------------------------------------------------ set-up
 
 
+# the HF and bare peers pad the decoder to multiples of 8, close to a collator padding to the
+# longest utterance; ddptrain's peers take configs/glmasr.yaml's coarser steps
+HF_PADDING = ["glmasr.token_pad_multiple=8"]
+
+
 def recipe_cfg(args, peer_overrides=()):
     ov = ["trainer.precision=bf16", "trainer.clip_grad_norm=1.0", f"trainer.max_steps={args.warmup + args.steps + 1}",
           f"trainer.output_dir={args.tmp}/{args.peer}", "checkpoint.save_at_end=false", "logging.tensorboard=false",
@@ -309,7 +314,7 @@ def profile_steps(trainer, loader, steps: int = 2) -> dict:
 
 
 def run_bare(args) -> dict:
-    cfg = recipe_cfg(args)
+    cfg = recipe_cfg(args, HF_PADDING)
     model, dataset, collate = hf_model_and_data(args, cfg)
     dev = device()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01,
@@ -348,7 +353,7 @@ def run_bare(args) -> dict:
 def run_hf(args) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    cfg = recipe_cfg(args)
+    cfg = recipe_cfg(args, HF_PADDING)
     model, dataset, collate = hf_model_and_data(args, cfg)
     w, n = args.warmup, args.steps
     record = {"stats": [], "t": {}}
@@ -419,7 +424,7 @@ def summarize(args, elapsed: float, stats: list, extra: dict) -> dict:
 
 def run_data(args) -> dict:
     """The loader alone (no model work): batches per second its workers deliver."""
-    cfg = recipe_cfg(args)
+    cfg = recipe_cfg(args, HF_PADDING)
     from models.glmasr import published_config, tiny_config
 
     mc = published_config() if args.preset == "published" else tiny_config(**tiny_tokens())
