@@ -9,7 +9,13 @@ another config is compared key by key:
   parameters a trainable-only checkpoint and the optimizer state cover), and the data keys that
   define the epoch plan (the saved position would point at other batches): the data set, named
   sources and their weights (each source's share of every epoch), shard windows, bucketing. The
-  error names every such key, saved vs now.
+  error names every such key, saved vs now. A recipe refuses keys of its own sections through
+  its Config subclass (:func:`refused_keys`)::
+
+      @dataclass
+      class RecipeConfig(ddptrain.Config):
+          tts: TTSConfig = field(default_factory=TTSConfig)
+          RESUME_REFUSED: ClassVar[dict[str, str]] = {"tts.path": "the latents come from this model's VAE"}
 * applied: everything else. ``lora.dropout`` and ``data.eval_sources`` (evaluation only) among
   them, like ``data.eval_manifest``. Optimizer hyperparameters (``optim.lr``, ``weight_decay``,
   betas, ...) are re-applied over the checkpoint's from the resumed step on; the LR schedule
@@ -140,22 +146,41 @@ def changes(saved_yaml: str, config: Any) -> dict:
     return out
 
 
-def refused(key: str) -> Optional[str]:
+def refused_keys(config: Any) -> dict:
+    """:data:`REFUSED` plus the config class's ``RESUME_REFUSED`` (``{key: why}``, a class
+    attribute of a recipe's Config subclass: the keys of its own sections a resume may not change).
+
+    Raises:
+        ConfigError: ``RESUME_REFUSED`` names a key the config does not have (a misspelt key
+            would never be refused).
+    """
+    extra = getattr(type(config), "RESUME_REFUSED", {})
+    unknown = sorted(set(extra) - set(flatten(config)))
+    if unknown:
+        raise ConfigError(f"{type(config).__name__}.RESUME_REFUSED names keys the config does not have: "
+                          + ", ".join(unknown))
+    return {**REFUSED, **extra}
+
+
+def refused(key: str, table: Mapping[str, str] = REFUSED) -> Optional[str]:
     """Why ``key`` (a diff key of :func:`changes`) may not change on resume, or None. An entry
-    of a dict-valued key (``data.train_weights.accent``) is refused as its key is."""
-    for k, why in REFUSED.items():
+    of a dict-valued key (``data.train_weights.accent``) is refused as its key is. ``table``:
+    the refused keys (:func:`refused_keys` of the run's config adds the recipe's)."""
+    for k, why in table.items():
         if key == k or key.startswith((f"{k}.", f"{k}[")):
             return why
     return None
 
 
-def check(diff: dict, checkpoint: str) -> None:
-    """Refuse the keys a resume may not change.
+def check(diff: dict, checkpoint: str, table: Mapping[str, str] = REFUSED) -> None:
+    """Refuse the keys a resume may not change (``table``: :data:`REFUSED`, or
+    :func:`refused_keys` of the run's config).
 
     Raises:
         ConfigError: naming each refused key, its saved and new value, and why.
     """
-    bad = [f"  {k}: saved {old!r}, now {new!r} ({refused(k)})" for k, (old, new) in diff.items() if refused(k)]
+    bad = [f"  {k}: saved {old!r}, now {new!r} ({refused(k, table)})"
+           for k, (old, new) in diff.items() if refused(k, table)]
     if bad:
         raise ConfigError(f"cannot resume {checkpoint} with these keys changed:\n" + "\n".join(bad)
                           + "\nset them back to the saved values, or start a new run from the weights "

@@ -342,7 +342,7 @@ class Trainer:
                 diff = resume.changes(f.read(), self.cfg)
         except FileNotFoundError:
             diff = {}
-        resume.check(diff, path)
+        resume.check(diff, path, resume.refused_keys(self.cfg))
         meta = ckpt.load(path, *self._states(), self.info.world_size, self.info.rank)
         source, saved = ckpt.read_weights(path)
         ckpt.apply_weights(self.module, source, saved, strict=True, expect=ckpt.resume_keys(self.module, source))

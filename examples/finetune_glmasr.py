@@ -52,7 +52,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -102,6 +102,11 @@ class GlmAsrRecipeConfig:
 @dataclass
 class RecipeConfig(ddptrain.Config):
     glmasr: GlmAsrRecipeConfig = field(default_factory=GlmAsrRecipeConfig)
+    # a resume refuses these changed (ddptrain/resume.py): the saved weights belong to them
+    RESUME_REFUSED: ClassVar[dict[str, str]] = {
+        "glmasr.path": "the saved weights were trained from this model",
+        "glmasr.preset": "random init: the saved weights have this preset's layout",
+    }
 
 
 _CHOICES = {"preset": ("published", "tiny"), "encoder_length": ("window", "batch"), "long_audio": ("split", "refuse")}

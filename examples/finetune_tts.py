@@ -49,7 +49,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -85,6 +85,12 @@ class TTSConfig:
 @dataclass
 class RecipeConfig(ddptrain.Config):
     tts: TTSConfig = field(default_factory=TTSConfig)
+    # a resume refuses these changed (ddptrain/resume.py): the weights and the latent cache belong to them
+    RESUME_REFUSED: ClassVar[dict[str, str]] = {
+        "tts.path": "the saved weights were trained from this model, on latents of its VAE",
+        "tts.preset": "random init: the saved weights have this preset's layout",
+        "tts.vae_seed": "random init: the latents were encoded by the random VAE of this seed",
+    }
 
 
 def check_recipe_config(cfg) -> None:
