@@ -67,7 +67,16 @@ def budget_cpu_threads(loader: Any) -> None:
         return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     workers = getattr(loader, "num_workers", 0) or 0
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local - workers))
+    torch.set_num_threads(max(1, usable_cpu_count() // local - workers))
+
+
+def usable_cpu_count() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's or SLURM's
+    cpuset), else every core of the machine (``os.cpu_count()``, which ignores the affinity)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity on macOS and Windows
+        return os.cpu_count() or 1
 
 
 def prepare_loader_workers(loader: Any, names: list[str]) -> None:

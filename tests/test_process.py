@@ -82,10 +82,10 @@ def test_cpu_threads_are_the_process_share_of_cores_minus_its_workers(monkeypatc
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        monkeypatch.setattr(os, "cpu_count", lambda: 8)
+        monkeypatch.setattr("ddptrain.process.usable_cpu_count", lambda: 8)
         budget_cpu_threads(_Loader())
         assert torch.get_num_threads() == 3  # 8 cores / 2 processes - 1 worker
-        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        monkeypatch.setattr("ddptrain.process.usable_cpu_count", lambda: 2)
         budget_cpu_threads(_Loader())
         assert torch.get_num_threads() == 1  # never 0
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
