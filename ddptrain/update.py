@@ -77,7 +77,7 @@ class StepUpdate:
         report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), negative_t, factor])
         if self.on_device:
             # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
-            # finite): one pass over every gradient fewer than scaling them first
+            # finite), so no separate multiply runs over the gradients
             self._scale_grads(grads, None)
             step_unless(self.optimizer, found_inf=(~finite_t).float(), grad_scale=factor.reciprocal().float())
             if self.master:
