@@ -28,7 +28,10 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   start; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
 * ``data``: the loader alone, batches per second (is a peer data-bound?).
 * any peer + ``_flash`` (e.g. ``hf_flash``, ``ddptrain_bf16_compile_flash``): its forwards inside
-  ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``, no cuDNN attention.
+  ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``. Under ddptrain's compiled layers this
+  does not take (call s8a: cuDNN's kernels still ran).
+* ``--ov`` keys ``bench.cudagraphs=A+B`` (modules of these classes compiled whole with CUDA
+  graphs) and ``bench.cg_encoder=true`` (= ``GlmAsrEncoder``): experiments, not ddptrain options.
 
 ``--profile`` adds, for ddptrain peers, a profile of 2 steps after the timed ones: step time,
 GPU-busy time and kernel time by category. Results of 2026-12-01 (one H200, three calls; the
@@ -210,8 +213,7 @@ def tiny_tokens() -> dict:
 def run_ddptrain(args) -> dict:
     ov = OVERRIDES[args.base] + list(args.ov)
     # bench.cudagraphs=A+B: modules of these classes compiled whole with CUDA graphs (mode
-    # reduce-overhead, a graph per input shape), a bench experiment; bench.cg_encoder=true: the
-    # audio encoder (call s8a's name)
+    # reduce-overhead, a graph per input shape); bench.cg_encoder=true: the audio encoder
     cg = [o.split("=", 1)[1].split("+") for o in ov if o.startswith("bench.cudagraphs=")]
     cg = (cg[0] if cg else []) + (["GlmAsrEncoder"] if "bench.cg_encoder=true" in ov else [])
     cfg = recipe_cfg(args, [o for o in ov if not o.startswith("bench.")])
