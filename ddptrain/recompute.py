@@ -234,7 +234,12 @@ class _Frame:
         return out
 
 
-@torch.compiler.disable  # dynamo cannot trace the hooks: compiled models run this region eagerly
+# dynamo cannot trace the hooks: compiled models run this region eagerly. torch's lazy form of
+# torch.compiler.disable imports torch._dynamo at the first call, not with ddptrain (~2 s).
+_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
+@_disable_dynamo
 def checkpoint(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn(*args, **kwargs)`` keeping only its inputs for backward; recompute the rest.
 
