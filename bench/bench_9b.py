@@ -15,17 +15,20 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
   + ``peft`` (bf16, gradient checkpointing, fused AdamW, the model's own loss over full logits).
 * ``full3b_ddptrain``: a full fine-tune of a ~3.2B GLM-shaped text decoder (24 layers, 3072-d,
   8192 FFN, the same vocabulary) on one GPU through the masters path (bf16 weights, fp32 masters).
-* ``full9b_zero``: the 10B full fine-tune on N GPUs (ZeRO with sharded masters, recompute): the
-  plan of the separate multi-GPU issue, run here only as a CPU dry run (2 gloo ranks).
+* ``full9b_zero`` / ``full9b_zero2``: the 10B full fine-tune on 4 / 2 GPUs (ZeRO with sharded
+  masters, recompute), issue 22; the plans ``glmasr2`` and ``large4`` of bench/gpu_session.py run
+  them. ``estimate`` prints the estimator's per-GPU model state at 1-8 GPUs against the card.
 
 Every row: tokens/s, step time, MFU (analytic FLOPs below, recompute not counted), peak GPU
-memory, and the model-state estimate of ``ddptrain.memory`` beside the measured allocation.
+memory (of every GPU: ``peak_alloc_gib_per_gpu``), and the model-state estimate of
+``ddptrain.memory`` beside the measured allocation.
 Workload names contain "glm4v"/"9b" as BENCHMARKS.md expects.
 
     python3 bench/bench_9b.py plan --out "$OUT/glm4v_9b.jsonl"            # the one-H200 plan (~7 min)
     python3 bench/bench_9b.py plan --dry --out /tmp/b9.jsonl              # every job, tiny, on CPU
     python3 bench/bench_9b.py job lora_ddptrain --out r.jsonl            # one job
     torchrun --nproc_per_node=4 bench/bench_9b.py job full9b_zero --out r.jsonl
+    python3 bench/bench_9b.py estimate                                   # CPU: does 10B fit on 2 GPUs?
 
 FLOPs of one step (T tokens, S supervised, P decoder linear weights, attention causal):
 forward ``2PT + 2 L T^2 (H hd) + 2 V d S`` (+ the vision tower's forward, frozen: ``2 P_vis N +
@@ -76,6 +79,7 @@ JOBS = {  # name: (what it runs, GPUs, timeout in seconds on the GPU)
     "lora_hf_peft": (dict(model="9b", peer="hf_peft", lora=True), 1, 150),
     "full3b_ddptrain": (dict(model="3b", peer="ddptrain", lora=False), 1, 110),
     "full9b_zero": (dict(model="9b", peer="ddptrain", lora=False, zero=True), 4, 300),
+    "full9b_zero2": (dict(model="9b", peer="ddptrain", lora=False, zero=True), 2, 300),
 }
 PLAN_H200 = ["lora_ddptrain", "lora_hf_peft", "full3b_ddptrain"]  # one H200, ~410 s in all
 
@@ -193,13 +197,21 @@ def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     med = statistics.median(step_s)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    per_gpu = [peak]
+    if torch.distributed.is_initialized():  # every rank's peak: does one rank hold more than its share?
+        per_gpu = [None] * ws
+        torch.distributed.all_gather_object(per_gpu, peak)
     import transformers
 
     return {"workload": f"glm4v_{job['model']}" + ("_text" if job["model"] == "3b" else ""), "name": job_name,
-            "peer": job["peer"], "world_size": ws, "preset": preset, "lora": job["lora"], "tokens_per_step": tokens,
+            "peer": job["peer"], "world_size": ws, "preset": preset, "lora": job["lora"], "batch": 1,  # sequence per GPU
+            "tokens_per_step": tokens,
             "steps": len(step_s), "step_ms_median": round(1e3 * med, 1), "step_ms_all": [round(1e3 * s, 1) for s in step_s],
             "tokens_per_s": tokens * ws / med, "tflops_per_gpu": flops / med / 1e12,
-            "mfu": flops / med / PEAK_BF16, "peak_alloc_gib": round(peak, 2),
+            "mfu": flops / med / PEAK_BF16, "peak_alloc_gib": round(max(per_gpu), 2),
+            "peak_alloc_gib_per_gpu": [round(x, 2) for x in per_gpu],
+            "peak_alloc_gb_per_gpu": [round(x * 2**30 / 1e9, 2) for x in per_gpu],
+            "samples_per_s": ws / med, "audio_s_per_s": None,  # one sequence per GPU and step
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "transformers": transformers.__version__, "date": datetime.date.today().isoformat(), **extra}
 
@@ -347,15 +359,39 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
     return 1 if failed else 0
 
 
+def estimate(gpus=(1, 2, 4, 8), card_gib: float = 139.8) -> list[dict]:
+    """The estimator's per-GPU model state of the 10B full fine-tune (bf16 weights, ZeRO with
+    sharded masters), from the real model on the meta device: what it holds at rest and at the
+    step's peak (+ the fp32 gradients of the rank's own masters). Activations come on top: with
+    recompute, one 8192-token sequence, ~6 GiB on the 3B model (bench/NOTES.md, item 39)."""
+    from ddptrain.memory import estimate_model_state
+
+    cfg = ddptrain.load_config(None, ["trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.zero=true"])
+    model = build(JOBS["full9b_zero"][0], "real", torch.device("meta"))
+    out = []
+    for n in gpus:
+        est = estimate_model_state(model, cfg, n)
+        at_rest, step = est["total"] / 2**30, (est["total"] + est["master_grads"]) / 2**30
+        out.append({"gpus": n, "params": est["num_params"], "at_rest_gib": round(at_rest, 1),
+                    "step_gib": round(step, 1), "left_for_activations_gib": round(card_gib - step, 1)})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench/bench_9b.py", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["plan", "job"])
+    p.add_argument("what", choices=["plan", "job", "estimate"])
     p.add_argument("job", nargs="?", help="a job name (with 'job'): " + ", ".join(JOBS))
     p.add_argument("--jobs", default=",".join(PLAN_H200), help="the plan's jobs, comma-separated")
     p.add_argument("--dry", action="store_true", help="tiny shapes on CPU (same code paths)")
-    p.add_argument("--out", required=True, help="results file (JSON lines, appended)")
+    p.add_argument("--out", default="", help="results file (JSON lines, appended)")
     p.add_argument("--tmp", default="/tmp/bench_9b", help="scratch folder for run folders")
     args = p.parse_args(argv)
+    if args.what == "estimate":
+        for r in estimate():
+            print(json.dumps(r))
+        return 0
+    if not args.out:
+        p.error("--out is required")
     if args.what == "job":
         if args.job not in JOBS:
             p.error(f"unknown job {args.job!r}: one of {', '.join(JOBS)}")

@@ -19,7 +19,16 @@ compile caches do not leak between them.
   ``data.max_duration`` padded latent seconds from ``DurationBucketSampler``, bf16 autocast,
   fp32 weights, eager.
 * ``ddptrain_best``: + bf16 weights with fp32 masters (``trainer.param_dtype=bf16``) and the
-  MiniCPM layers compiled (regional, dynamic shapes). More variants: ``--ov NAME=k=v,k=v``.
+  MiniCPM layers compiled (regional, dynamic shapes); ``ddptrain_best_md320``: + 320 padded
+  latent seconds per batch over 10 buckets (the 4.10x row of BENCHMARKS.md). More variants:
+  ``--ov NAME=k=v,k=v``.
+
+Several GPUs (issue 22): ``--nproc N`` runs each ddptrain peer under torchrun, every rank on its
+share of the batch plan (latents encoded once, each rank a share); the row sums throughput over
+the ranks over the slowest rank's time, MFU and ``peak_alloc_gb_per_gpu`` per GPU. ``--as-world N``
+on one GPU trains on exactly the batches of the N-GPU run (all ranks' batches in step order,
+``N`` times the steps), so the scaling efficiency compares identical work; its row is named
+``PEER_asN``.
 
 Timing: ``--warmup`` steps, then ``--steps`` timed steps, host clock around a device sync.
 audio-s/s counts the real (unpadded) seconds of the utterances trained on. Padding: the share
@@ -33,6 +42,8 @@ not counted.
     python bench/bench_voxcpm.py --out bench/results/h200x1_DATE_voxcpm.jsonl
     python bench/bench_voxcpm.py --dry --out /tmp/rows.jsonl     # CPU: tiny preset, a few steps
     python bench/bench_voxcpm.py --dry --inline --out /tmp/rows.jsonl   # ... all peers in one process
+    python bench/bench_voxcpm.py --peers ddptrain_best_md320 --utterances 3200 --nproc 4 --out r.jsonl
+    python bench/bench_voxcpm.py --peers ddptrain_best_md320 --utterances 3200 --as-world 4 --out r.jsonl
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ OVERRIDES = {
     "ddptrain_best": ["trainer.param_dtype=bf16", "compile.enabled=true", "compile.dynamic=true",
                       "compile.module_classes=[MiniCPMDecoderLayer]"],
 }
+OVERRIDES["ddptrain_best_md320"] = OVERRIDES["ddptrain_best"] + ["data.max_duration=320", "data.num_buckets=10"]
 
 
 def device() -> torch.device:
@@ -146,15 +158,23 @@ class Flops:
         return total
 
 
-def summarize(args, peer, elapsed, stats, extra) -> dict:
+def peak_gb():
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+
+
+def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> dict:
+    """The row: ``stats`` of every timed step of every rank, ``elapsed`` the slowest rank's time;
+    throughput in total, MFU per GPU, ``peaks`` (GB) per GPU."""
     tot = {k: sum(float(s[k]) for s in stats) for k in ("n", "audio_s", "flops", "real", "padded")}
-    tflops = tot["flops"] / elapsed / 1e12
-    return {"workload": "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts", "peer": peer, "world_size": 1,
-            "steps": len(stats), "warmup": args.warmup, "elapsed_s": round(elapsed, 3),
+    tflops = tot["flops"] / elapsed / world_size / 1e12
+    peaks = peaks or [peak_gb()]
+    steps = len(stats) // world_size
+    return {"workload": "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts", "peer": peer, "world_size": world_size,
+            "steps": steps, "warmup": args.warmup, "elapsed_s": round(elapsed, 3),
             "samples_per_s": tot["n"] / elapsed, "audio_s_per_s": tot["audio_s"] / elapsed,
-            "samples_per_step": tot["n"] / max(1, len(stats)), "padding_fraction": 1 - tot["real"] / max(1, tot["padded"]),
+            "samples_per_step": tot["n"] / max(1, steps), "padding_fraction": 1 - tot["real"] / max(1, tot["padded"]),
             "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
-            "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            "peak_alloc_gb": None if peaks[0] is None else max(peaks), "peak_alloc_gb_per_gpu": peaks,
             "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, **extra}
@@ -218,44 +238,59 @@ def run_upstream(args) -> dict:
 def run_ddptrain(args) -> dict:
     import finetune_tts as ft
     import prepare_tts
+    from workloads import Interleave  # bench/workloads.py: the N ranks' batches in step order
 
     import ddptrain
 
     from models import voxcpm_tts as vt
 
+    ov = OVERRIDES[args.peer] + list(args.ov)
+    cfg = ddptrain.load_config(os.path.join(HERE, "..", "configs", "tts_voxcpm15.yaml"), [
+        f"trainer.output_dir={args.tmp}/{args.peer}", f"trainer.max_steps={args.as_world * (args.warmup + args.steps)}",
+        "trainer.eval_every=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
+        "logging.progress_bar=false", "logging.log_every=10", f"data.num_workers={0 if args.dry else 2}", f"data.max_duration={args.max_duration}",
+        "tts.num_samples=0", *ov, *(["trainer.precision=fp32", "trainer.param_dtype=fp32", "trainer.device=cpu",
+                                     "data.num_buckets=2", "compile.enabled=false",
+                                     f"data.max_duration={args.max_duration}"] if args.dry else [])],
+        schema=ft.RecipeConfig)
+    info = ddptrain.setup_distributed(cfg)
+    ws, rank = info.world_size, info.rank
     model, vae, layout = make_model(args)
     d, ids = corpus(args, layout.lm_config.vocab_size)
     flops = Flops(model, layout)
-    # the prepare step: encode every utterance once (timed, reported apart)
+    # the prepare step: encode every utterance once, each rank a share (timed, reported apart)
     folder = os.path.join(args.tmp, "latents")
     os.makedirs(folder, exist_ok=True)
     ds = SyntheticAudio(d, ids, vae.sample_rate)
     sync()
     t = time.perf_counter()
     utts = []
-    for i in range(len(d)):
+    for i in range(rank, len(d), ws):
         z = vt.encode_latents(vae, torch.from_numpy(ds[i]["audio_array"]), layout.patch_size).numpy()
         path = os.path.join(folder, f"{i}.npy")
         np.save(path, z)
         utts.append(prepare_tts.CachedUtterance(str(i), str(i), path, int(z.shape[0]), "synthetic", i + 1))
     sync()
     prepare_s = time.perf_counter() - t
-    ov = OVERRIDES[args.peer] + list(args.ov)
-    cfg = ddptrain.load_config(os.path.join(HERE, "..", "configs", "tts_voxcpm15.yaml"), [
-        f"trainer.output_dir={args.tmp}/{args.peer}", f"trainer.max_steps={args.warmup + args.steps}",
-        "trainer.eval_every=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
-        "logging.progress_bar=false", "logging.log_every=10", f"data.num_workers={0 if args.dry else 2}", f"data.max_duration={args.max_duration}",
-        "tts.num_samples=0", *ov, *(["trainer.precision=fp32", "trainer.param_dtype=fp32", "trainer.device=cpu",
-                                     "data.num_buckets=2", "compile.enabled=false"] if args.dry else [])],
-        schema=ft.RecipeConfig)
-    info = ddptrain.setup_distributed(cfg)
+    if ws > 1:  # every rank's share, for every rank's batch plan (the files are on this host)
+        shares = [None] * ws
+        torch.distributed.all_gather_object(shares, utts)
+        utts = sorted((u for share in shares for u in share), key=lambda u: u.line)
     by_text = {str(i): x for i, x in enumerate(ids)}  # an utterance's "text" is its index: the synthetic ids
 
     class Ids:
         def __call__(self, text):
             return by_text[text]
 
-    loader = ft.build_loader(utts, cfg, Ids(), layout, True, 1, 0)
+    w, n = args.as_world * args.warmup, args.as_world * args.steps
+    if args.as_world > 1:  # one GPU, the batches of an as_world-GPU run, in step order
+        loader = Interleave([ft.build_loader(utts, cfg, Ids(), layout, True, args.as_world, r)
+                             for r in range(args.as_world)])
+        if len(loader) < w + n + 1:  # a second epoch would reshuffle unlike the N-GPU run's
+            raise ValueError(f"--as-world {args.as_world}: {w + n + 1} steps exceed one epoch of {len(loader)} "
+                             f"batches; give more --utterances")
+    else:
+        loader = ft.build_loader(utts, cfg, Ids(), layout, True, ws, rank)
     objective = ft.TTSObjective()
     calls = []
 
@@ -272,19 +307,30 @@ def run_ddptrain(args) -> dict:
     trainer.fit()
     sync()
     end = time.perf_counter()
-    w, n = args.warmup, args.steps
     elapsed = (calls[w + n][0] if len(calls) > w + n else end) - calls[w][0]
-    logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
+    mine = {"elapsed": elapsed, "stats": [s for _, s in calls[w:w + n]], "peak": peak_gb(), "prepare_s": prepare_s}
+    every = [mine]
+    if ws > 1:
+        every = [None] * ws
+        torch.distributed.all_gather_object(every, mine)
+    logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))] if rank == 0 else []
     trainer.close()
-    return summarize(args, args.peer, elapsed, [s for _, s in calls[w:w + n]],
+    name = f"{args.peer}_as{args.as_world}" if args.as_world > 1 else args.peer
+    prepare_s = max(e["prepare_s"] for e in every)
+    return summarize(args, name, max(e["elapsed"] for e in every), [s for e in every for s in e["stats"]],
                      {"max_duration": cfg.data.max_duration, "ov": ov, "prepare_s": round(prepare_s, 2),
                       "prepare_audio_s_per_s": float(d.sum()) / prepare_s, "compiled_modules": len(trainer.compiled),
+                      "as_world": args.as_world, "utterances": args.utterances,
+                      "samples_per_s_per_rank": [sum(s["n"] for s in e["stats"]) / e["elapsed"] for e in every],
                       "loss": logged[-1]["loss"] if logged else None,
-                      "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"]})
+                      "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"]},
+                     world_size=ws, peaks=[e["peak"] for e in every])
 
 
 def run_one(args) -> dict:
     if args.peer == "upstream":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.as_world > 1:
+            raise ValueError("the upstream peer runs on one GPU only (its step is reproduced without DDP)")
         return run_upstream(args)
     OVERRIDES.setdefault(args.peer, [])
     return run_ddptrain(args)
@@ -294,7 +340,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", default="upstream,ddptrain,ddptrain_best")
     p.add_argument("--out", default="")
-    p.add_argument("--dry", action="store_true", help="CPU: tiny preset, 12 utterances, 1 + 2 steps, fp32, no compile")
+    p.add_argument("--dry", action="store_true", help="CPU: tiny preset, 24 utterances, 1 + 2 steps, fp32, no compile")
     p.add_argument("--batch", type=int, default=16, help="upstream's batch size (its configs: 16)")
     p.add_argument("--max-duration", type=float, default=160.0, help="ddptrain: padded latent seconds per batch")
     p.add_argument("--utterances", type=int, default=320)
@@ -303,16 +349,22 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per peer (start and compile included)")
     p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=v: a ddptrain peer with these overrides")
     p.add_argument("--inline", action="store_true", help="run the peers in this process (CPU dry runs: one import)")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs per ddptrain peer (torchrun)")
+    p.add_argument("--as-world", type=int, default=1, help="one GPU trained on the batches of an N-GPU run")
     p.add_argument("--peer", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--tmp", default="")
     args = p.parse_args(argv)
     if args.dry:
-        args.batch, args.utterances, args.warmup, args.steps, args.max_duration = 4, 12, 1, 2, 20.0
-    if args.peer:
+        args.batch, args.utterances, args.warmup, args.steps, args.max_duration = 4, 24, 1, 2, 20.0
+    if args.peer:  # one peer in this process (under torchrun: every rank; rank 0 writes the row)
         row = run_one(args)
-        with open(args.row, "w") as f:
-            json.dump(row, f)
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(args.row, "w") as f:
+                json.dump(row, f)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
         return 0
     named = dict(o.split("=", 1) for o in args.ov)
     OVERRIDES.update({k: v.split(",") for k, v in named.items()})
@@ -331,9 +383,12 @@ def main(argv=None) -> int:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             row_file = os.path.join(tmp, "row.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
-                   "--batch", str(args.batch), "--max-duration", str(args.max_duration), "--utterances",
-                   str(args.utterances), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+            launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                      "--master_port=29571"] if args.nproc > 1 else [sys.executable]
+            cmd = launch + [os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
+                            "--batch", str(args.batch), "--max-duration", str(args.max_duration), "--utterances",
+                            str(args.utterances), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                            "--as-world", str(args.as_world)]
             cmd += ["--dry"] * args.dry + [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.dry else "4"))
             tic = time.time()

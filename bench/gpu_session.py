@@ -14,6 +14,9 @@ friends). The exit status is 1 when an experiment failed or a job timed out.
 
 The plans below are the current ones, one per question of BENCHMARKS.md; the plans that
 produced the older rows (call1 ... call24) are in git history (``git show 7d7474f:bench/gpu_session.py``).
+``PLANS`` hold ``bench/run.py`` experiments; ``SCRIPT_PLANS`` launch the other bench scripts
+(GLM-ASR, the 9B model, VoxCPM), each job one process (or torchrun) that appends its own rows.
+bench/MULTI_GPU_PLAN.md says which plan to run on which machine, in what order.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +63,20 @@ class Job:
         return [dict({"replay": self.steps, "warmup": self.steps + 1, "steps": self.steps}, **e) for e in self.exps]
 
 
+@dataclass
+class Script:
+    """One launch of another bench script (torchrun when ``gpus`` lists several) that appends its
+    own JSON rows; ``{rows}`` and ``{tmp}`` in ``args`` become the job's row file and scratch
+    folder. In ``--dry`` runs ``dry_args`` are appended and at most 2 ranks run (gloo, CPU)."""
+
+    label: str
+    gpus: str
+    args: list  # the script (relative to bench/) and its arguments
+    timeout: float  # seconds for the process (start, compile, steps); then its group is killed
+    dry_args: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+
+
 def E(name, peer, **kw):
     return dict(name=name, peer=peer, **kw)
 
@@ -71,6 +89,11 @@ def wh(name, *extra_ov, **kw):
 def w2v(name, *extra_ov, **kw):
     """ddptrain on wav2vec2-large at 500 s per GPU, blocks and front end compiled, bf16 params."""
     return E(name, "ddptrain", budget=500, ov=P + W2V_COMPILE + list(extra_ov), **kw)
+
+
+def cf(name, **kw):
+    """ddptrain on the GPU Conformer at 600 s per GPU, fp32 params (its best, bench/NOTES.md item 28)."""
+    return E(name, "ddptrain", budget=600, **kw)
 
 
 PLANS = {
@@ -91,30 +114,44 @@ PLANS = {
         ],
     ],
     # (b) scaling on identical work: one GPU trains on the 2-GPU run's batches (as_world=2),
-    # then 2 GPUs: default, 4 NCCL channels, the all-reduce after the backward. Two H200s.
-    #   python3 bench/gpu_session.py scaling2 --out $OUT --budget 560 --no-calib
+    # then 2 GPUs: default, 4 NCCL channels, the all-reduce after the backward. Rows carry each
+    # GPU's SM clock and power (the power-cap question). Two H200s, ~7 minutes.
+    #   python3 bench/gpu_session.py scaling2 --out $OUT --budget 480 --no-calib
     "scaling2": [
         [
             Job("wh1", "0", "whisper", [wh("ddptrain_b24_as2", as_world=2)], 200, steps=24),
             Job("w2v1", "1", "wav2vec2", [w2v("ddptrain_500_as2", as_world=2)], 200, steps=24),
+            Job("cf1", "1", "conformer", [cf("ddptrain_fp32_as2", as_world=2)], 100, steps=48),
         ],
         [
             Job("wh2", "0,1", "whisper", [wh("ddptrain_b24")], 140),
-            Job("wh2c4", "0,1", "whisper", [wh("ddptrain_b24_nch4")], 140, env={"NCCL_MAX_NCHANNELS": "4"}),
-            Job("wh2o", "0,1", "whisper", [wh("ddptrain_b24_noov", "compile.ddp_overlap=false")], 140),
-            Job("w2v2", "0,1", "wav2vec2", [w2v("ddptrain_500")], 160),
+            Job("w2v2", "0,1", "wav2vec2", [w2v("ddptrain_500")], 140),
+            Job("cf2", "0,1", "conformer", [cf("ddptrain_fp32")], 100, steps=24),
+            Job("wh2c4", "0,1", "whisper", [wh("ddptrain_b24_nch4")], 120, env={"NCCL_MAX_NCHANNELS": "4"}),
+            Job("wh2o", "0,1", "whisper", [wh("ddptrain_b24_noov", "compile.ddp_overlap=false")], 120),
         ],
     ],
-    # (b) the same at 4 GPUs (one GPU trains on the 4-GPU run's 48 batches). Four H200s.
-    #   python3 bench/gpu_session.py scaling4 --out $OUT --budget 560 --no-calib
+    # (b) 1, 2 and 4 GPUs on one 4-GPU machine: each 1-GPU run trains on the batches of the
+    # 2- or 4-GPU run (as_world), the 2-GPU runs on GPU pairs side by side. Four H200s, ~7 minutes.
+    #   python3 bench/gpu_session.py scaling4 --out $OUT --budget 480 --no-calib
     "scaling4": [
         [
-            Job("wh1", "0", "whisper", [wh("ddptrain_b24_as4", as_world=4)], 220, steps=48),
-            Job("w2v1", "1", "wav2vec2", [w2v("ddptrain_500_as4", as_world=4)], 220, steps=48),
+            Job("wh1a2", "0", "whisper", [wh("ddptrain_b24_as2", as_world=2)], 200, steps=24),
+            Job("wh1a4", "1", "whisper", [wh("ddptrain_b24_as4", as_world=4)], 220, steps=48),
+            Job("w2v1a2", "2", "wav2vec2", [w2v("ddptrain_500_as2", as_world=2)], 200, steps=24),
+            Job("cf1a2", "2", "conformer", [cf("ddptrain_fp32_as2", as_world=2)], 100, steps=48),
+            Job("w2v1a4", "3", "wav2vec2", [w2v("ddptrain_500_as4", as_world=4)], 220, steps=48),
+            Job("cf1a4", "3", "conformer", [cf("ddptrain_fp32_as4", as_world=4)], 100, steps=96),
+        ],
+        [
+            Job("wh2", "0,1", "whisper", [wh("ddptrain_b24")], 140),
+            Job("w2v2", "2,3", "wav2vec2", [w2v("ddptrain_500")], 140),
+            Job("cf2", "2,3", "conformer", [cf("ddptrain_fp32")], 100, steps=24),
         ],
         [
             Job("wh4", "0,1,2,3", "whisper", [wh("ddptrain_b24")], 150),
             Job("w2v4", "0,1,2,3", "wav2vec2", [w2v("ddptrain_500")], 150),
+            Job("cf4", "0,1,2,3", "conformer", [cf("ddptrain_fp32")], 100, steps=24),
         ],
     ],
     # (c) memory and ZeRO: model state at rest and throughput, plain DDP vs ZeRO, 2 GPUs, and the
@@ -146,6 +183,59 @@ PLANS = {
 }
 
 
+# ---------------------------------------------------------------- plans of other bench scripts
+
+# GLM-ASR (issue 22, item 1): configs/glmasr.yaml's set-up against the HF Trainer + DeepSpeed
+# ZeRO-2, 16 utterances per GPU, 30 warm-up steps (most decoder lengths seen once) + 20 timed
+GLM = ["--warmup", "30", "--steps", "20", "--out", "{rows}", "--tmp", "{tmp}"]
+GLM_DRY = ["--preset", "tiny", "--warmup", "1", "--steps", "2", "--batch", "2", "--workers", "0",
+           "--ov=compile.backend=aot_eager"]  # inductor's CPU code generation takes minutes
+
+
+def glm(label, gpus, peer, timeout):
+    return Script(label, gpus, ["multi/glmasr.py", "--peer", peer, *GLM], timeout, GLM_DRY)
+
+
+GLM_DDP, GLM_DS2 = "ddptrain_bf16_compile", "hf_ds2"
+
+# the 10B full fine-tune (item 2): ZeRO with sharded masters, recompute, one 8192-token sequence per GPU
+def b9(label, gpus, job, timeout):
+    return Script(label, gpus, ["bench_9b.py", "job", job, "--out", "{rows}", "--tmp", "{tmp}"], timeout, ["--dry"])
+
+
+# VoxCPM-1.5 (item 3): the 4.10x set-up (bf16 + masters, compiled layers, 320 padded latent
+# seconds per GPU), 3,200 utterances so that 5 + 10 steps on each of 4 ranks stay in one epoch
+VOX = ["bench_voxcpm.py", "--peer", "ddptrain_best_md320", "--utterances", "3200", "--warmup", "5", "--steps", "10",
+       "--row", "{rows}", "--tmp", "{tmp}"]
+
+SCRIPT_PLANS = {
+    # (a, b) GLM-ASR on 1 and 2 GPUs, both peers; then the 10B full fine-tune on 2 GPUs (the
+    # estimate: 10 B/param of model state + 2 B/param of master gradients = 123.5 GB of 150).
+    # Two H200s, ~6 minutes.
+    #   python3 bench/gpu_session.py glmasr2 --out $OUT --budget 450 --no-calib
+    "glmasr2": [
+        [glm("glm_ddp1", "0", GLM_DDP, 200), glm("glm_ds1", "1", GLM_DS2, 170)],
+        [glm("glm_ddp2", "0,1", GLM_DDP, 200), glm("glm_ds2", "0,1", GLM_DS2, 170),
+         b9("b9_zero2", "0,1", "full9b_zero2", 200)],
+    ],
+    # (a, b) GLM-ASR on 1, 2 (a GPU pair) and 4 GPUs, both peers. Four H200s, ~6 minutes.
+    #   python3 bench/gpu_session.py glmasr4 --out $OUT --budget 420 --no-calib
+    "glmasr4": [
+        [glm("glm_ddp1", "0", GLM_DDP, 200), glm("glm_ds1", "1", GLM_DS2, 170),
+         glm("glm_ddp2", "2,3", GLM_DDP, 200), glm("glm_ds2", "2,3", GLM_DS2, 170)],
+        [glm("glm_ddp4", "0,1,2,3", GLM_DDP, 220), glm("glm_ds4", "0,1,2,3", GLM_DS2, 190)],
+    ],
+    # (b, c) the 10B full fine-tune on 2 and 4 GPUs; VoxCPM on 4 GPUs against one GPU trained on
+    # the 4-GPU run's batches (as_world 4). Four H200s, ~5 minutes.
+    #   python3 bench/gpu_session.py large4 --out $OUT --budget 360 --no-calib
+    "large4": [
+        [b9("b9_zero2", "0,1", "full9b_zero2", 200),
+         Script("vox1a4", "2", VOX + ["--as-world", "4"], 260, ["--dry", "--as-world", "2"])],
+        [b9("b9_zero4", "0,1,2,3", "full9b_zero", 200), Script("vox4", "0,1,2,3", VOX, 200, ["--dry"])],
+    ],
+}
+
+
 def env_for(gpus: str, dry: bool) -> dict:
     env = dict(os.environ)
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
@@ -170,24 +260,52 @@ def dry_experiment(e: dict) -> dict:
     return out
 
 
-def job_cmd(job: Job, out_dir: str, dry: bool, port: int) -> list:
-    """The command line of a job (torchrun for several GPUs or ``ddp1``); its experiments go to a file."""
+def ranks(job, dry: bool) -> int:
+    """Processes the job launches: one per GPU; at most 2 (gloo on CPU) in a dry run."""
+    n = len(job.gpus.split(","))
+    return min(n, 2) if dry else n
+
+
+def job_cmd(job, out_dir: str, dry: bool, port: int, scratch: str = "") -> list:
+    """The command line of a job (torchrun for several GPUs or ``ddp1``); its rows go to
+    ``OUT/rows/LABEL.jsonl`` (merged into ``OUT/results.jsonl`` as the job ends), its run folders
+    to ``scratch`` (not under OUT, which comes back from the machine: latents, run folders)."""
+    scratch = scratch or os.path.join(out_dir, "tmp")
+    py = sys.executable
+    n = ranks(job, dry)
+    rows = os.path.join(out_dir, "rows", f"{job.label}.jsonl")
+    torchrun = [py, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={port}"]
+    if isinstance(job, Script):
+        tmp = os.path.join(scratch, job.label)
+        args = [a.replace("{rows}", rows).replace("{tmp}", tmp) for a in job.args + (job.dry_args if dry else [])]
+        return (torchrun if n > 1 else [py]) + [os.path.join(HERE, args[0])] + args[1:]
     exps = job.experiments()
     if dry:
         exps = [dry_experiment(e) for e in exps]
     exps_file = os.path.join(out_dir, "logs", f"{job.label}.exps.json")
     with open(exps_file, "w") as f:
         json.dump(exps, f)
-    py = sys.executable
-    n = len(job.gpus.split(","))
     # ddp1 (diagnostic): one GPU under torchrun, so the Trainer makes a process group of one and
     # wraps the model in DDP: the cost of being a DDP rank, without a second rank
     ddp1 = any(e.get("ddp1") for e in exps)
-    launch = ([py, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={port}"]
-              if n > 1 or ddp1 else [py])
-    return launch + [os.path.join(HERE, "run.py"), "--workload", job.workload, "--exps", "@" + exps_file,
-                     "--out", os.path.join(out_dir, "results.jsonl"), "--tag", job.label,
-                     "--preset", "tiny" if dry else "large", "--tmp", os.path.join(out_dir, "tmp")]
+    return (torchrun if n > 1 or ddp1 else [py]) + [
+        os.path.join(HERE, "run.py"), "--workload", job.workload, "--exps", "@" + exps_file, "--out", rows,
+        "--tag", job.label, "--preset", "tiny" if dry else "large", "--tmp", scratch]
+
+
+def collect(job, out_dir: str, rc: int, why: str, log_tail: str) -> None:
+    """Appends the job's rows to ``OUT/results.jsonl`` (one writer, so rows of jobs running side
+    by side never interleave); a job that failed without a row leaves an error row instead."""
+    path = os.path.join(out_dir, "rows", f"{job.label}.jsonl")
+    got = [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
+    if not got:
+        got = [{"workload": getattr(job, "workload", os.path.basename(job.args[0]).split(".")[0]), "name": job.label,
+                "world_size": len(job.gpus.split(",")), "error": why or f"exit status {rc} and no row",
+                "log_tail": log_tail[-1500:]}]
+    with open(os.path.join(out_dir, "results.jsonl"), "a") as f:
+        for r in got:
+            r.setdefault("job", job.label)
+            f.write(json.dumps(r) + "\n")
 
 
 def one_per_process(stage: list) -> list:
@@ -195,65 +313,96 @@ def one_per_process(stage: list) -> list:
     each keeps the job's timeout (the call's budget still bounds the whole stage)."""
     out = []
     for job in stage:
-        if len(job.exps) == 1:
+        if isinstance(job, Script) or len(job.exps) == 1:
             out.append(job)
         else:
             out += [replace(job, label=f"{job.label}-{i}", exps=[e]) for i, e in enumerate(job.exps)]
     return out
 
 
-def run_stage(stage: list, out_dir: str, dry: bool, t_start: float, budget_s: float) -> int:
+def check_stage(stage: list) -> None:
+    """Jobs of one stage run at the same time unless they name the same GPUs: two that name
+    overlapping but different GPU sets ("0" and "0,1") would share a GPU unawares.
+
+    Raises:
+        ValueError: naming the two jobs.
+    """
+    for i, a in enumerate(stage):
+        for b in stage[i + 1:]:
+            if a.gpus != b.gpus and set(a.gpus.split(",")) & set(b.gpus.split(",")):
+                raise ValueError(f"jobs {a.label} (GPUs {a.gpus}) and {b.label} (GPUs {b.gpus}) would share a GPU")
+
+
+@dataclass
+class Running:
+    """A started job: its process, deadline, log file, the unfinished last line of its output
+    and the output's tail (for an error row)."""
+
+    proc: subprocess.Popen
+    job: object
+    timeout: float
+    deadline: float
+    log: object
+    partial: str = ""
+    tail: str = ""
+
+
+def run_stage(stage: list, out_dir: str, dry: bool, t_start: float, budget_s: float, scratch: str = "") -> int:
     """Start the stage's jobs; jobs that share a GPU run in order. Returns the number of jobs
     that failed or timed out, once all have ended."""
+    check_stage(stage)
     by_gpu: dict[str, list] = {}
     for job in stage:
         by_gpu.setdefault(job.gpus, []).append(job)
     port = 29500 + int(time.time()) % 1000
     failed = 0
 
-    def start(job):
+    def start(job) -> Running:
         nonlocal port
         left = budget_s - (time.time() - t_start)
         timeout = min(job.timeout, max(10, left - 5))
         port += 1
+        os.makedirs(os.path.join(scratch or os.path.join(out_dir, "tmp"), job.label), exist_ok=True)
         logf = open(os.path.join(out_dir, "logs", f"{job.label}.log"), "w")
         print(f"[{time.time() - t_start:6.1f}s] start {job.label} on GPU {job.gpus}, timeout {timeout:.0f}s", flush=True)
         env = dict(env_for(job.gpus, dry), **job.env)
-        p = subprocess.Popen(job_cmd(job, out_dir, dry, port), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        p = subprocess.Popen(job_cmd(job, out_dir, dry, port, scratch), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         os.set_blocking(p.stdout.fileno(), False)
-        return [p, job.label, time.time() + timeout, logf, ""]
+        return Running(p, job, timeout, time.time() + timeout, logf)
 
     active = [(start(q.pop(0)), q) for q in by_gpu.values()]
     while active:
         time.sleep(0.2 if dry else 0.5)
         still = []
         for r, q in active:
-            p, label, deadline, logf, _ = r
+            label, why = r.job.label, ""
             try:
-                chunk = p.stdout.read()
+                chunk = r.proc.stdout.read()
             except (TypeError, OSError):
                 chunk = None
             if chunk:
-                logf.write(chunk)
-                r[4] += chunk
-                *lines, r[4] = r[4].split("\n")
+                r.log.write(chunk)
+                r.tail = (r.tail + chunk)[-3000:]
+                *lines, r.partial = (r.partial + chunk).split("\n")
                 for ln in lines:
                     if ln.startswith(("RESULT", "PROFILE", "SYNCS", "CALIB", "GAP")) or "Error" in ln or "error:" in ln:
                         print(f"[{label}] {ln[:1500]}", flush=True)
-            if p.poll() is None and time.time() > deadline:
+            if r.proc.poll() is None and time.time() > r.deadline:
                 print(f"[{label}] TIMEOUT: killing", flush=True)
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            if p.poll() is not None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+                r.proc.wait()
+                why = f"did not finish within {r.timeout:.0f} s (start, compile and steps): killed"
+            if r.proc.poll() is not None:
                 try:
-                    rest = p.stdout.read() or ""
+                    rest = r.proc.stdout.read() or ""
                 except (TypeError, OSError):  # a killed job's pipe can end mid-character
                     rest = ""
-                logf.write(rest)
-                logf.close()
-                print(f"[{time.time() - t_start:6.1f}s] end {label} rc={p.returncode}", flush=True)
-                failed += p.returncode != 0
+                r.log.write(rest)
+                r.log.close()
+                print(f"[{time.time() - t_start:6.1f}s] end {label} rc={r.proc.returncode}", flush=True)
+                collect(r.job, out_dir, r.proc.returncode, why, r.tail + rest)
+                failed += r.proc.returncode != 0
                 if q:
                     still.append((start(q.pop(0)), q))
             else:
@@ -262,26 +411,53 @@ def run_stage(stage: list, out_dir: str, dry: bool, t_start: float, budget_s: fl
     return failed
 
 
+def label_of(r: dict) -> str:
+    return r.get("name") or r.get("peer") or "?"
+
+
 def table(results_path: str) -> str:
-    """The results file as a fixed-width table (one line per row)."""
+    """The results file as a fixed-width table (one line per row), then the scaling summary."""
     if not os.path.exists(results_path):
         return "(no results)"
     rows = [json.loads(x) for x in open(results_path) if x.strip()]
-    hdr = f"{'workload':9s} {'gpus':>4s} {'name':22s} {'smp/s':>8s} {'audio-s/s':>10s} {'pad':>5s} {'MFU':>6s} " \
-          f"{'peakGB':>7s} {'restGB':>7s} {'wait':>6s} {'idle':>6s} {'step ms':>8s} {'SM MHz':>7s} {'degC':>8s}"
+    hdr = f"{'workload':12s} {'gpus':>4s} {'name':24s} {'smp/s':>8s} {'audio-s/s':>10s} {'MFU':>6s} " \
+          f"{'peakGB/GPU':>16s} {'restGB':>7s} {'step ms':>8s} {'SM MHz/GPU':>20s} {'W/GPU':>16s}"
     out = [hdr]
+    num = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "-"  # noqa: E731
+    per = lambda v: "/".join(num(x, ".0f") for x in v) if isinstance(v, list) else "-"  # noqa: E731
     for r in rows:
-        if "error" in r:
-            out.append(f"{r['workload']:9s} {r['world_size']:4d} {r['name']:22s} ERROR {r['error'][:90]}")
+        head = f"{str(r.get('workload')):12s} {r.get('world_size', 0):4d} {label_of(r)[:24]:24s}"
+        if "error" in r or "skipped" in r:
+            out.append(f"{head} {'ERROR' if 'error' in r else 'SKIPPED'} {str(r.get('error', r.get('skipped')))[:90]}")
             continue
-        idle = r.get("profile", {}).get("gpu_idle_frac_of_wall")
-        wait = r.get("data_wait_frac")
-        out.append(f"{r['workload']:9s} {r['world_size']:4d} {r['name']:22s} {r['samples_per_s']:8.1f} "
-                   f"{r['audio_s_per_s']:10.1f} {r['padding_frac']:5.3f} {r['mfu']:6.3f} {r['peak_alloc_gb']:7.1f} "
-                   f"{r.get('mem_at_rest_gb', float('nan')):7.2f} {wait if wait is None else round(wait, 3)!s:>6s} "
-                   f"{idle if idle is None else round(idle, 3)!s:>6s} {r.get('step_ms_median') or 0:8.0f} "
-                   f"{r.get('sm_clock_mhz', [None] * 3)[1]!s:>7s} {'-'.join(map(str, r.get('gpu_temp_c', []))):>8s}")
+        peaks = r.get("peak_alloc_gb_per_gpu") or [r.get("peak_alloc_gb")]
+        clocks = r.get("sm_clock_mhz_per_gpu") or [r.get("sm_clock_mhz", [None] * 3)[1]]
+        out.append(f"{head} {num(r.get('samples_per_s'), '8.1f'):>8s} {num(r.get('audio_s_per_s'), '10.1f'):>10s} "
+                   f"{num(r.get('mfu'), '6.3f'):>6s} {per(peaks):>16s} {num(r.get('mem_at_rest_gb'), '7.2f'):>7s} "
+                   f"{num(r.get('step_ms_median'), '8.0f'):>8s} {per(clocks):>20s} "
+                   f"{per(r.get('power_w_per_gpu') or [r.get('power_w_mean')]):>16s}")
+    eff = scaling(rows)
+    if eff:
+        out += ["", "scaling: samples/s at N GPUs / (N x the 1-GPU row's)"]
+        out += [f"  {e['workload']} {e['name']} x{e['world_size']}: {e['efficiency']:.1%} (1 GPU: {e['baseline']})"
+                for e in eff]
     return "\n".join(out)
+
+
+def scaling(rows: list) -> list:
+    """Scaling efficiency of every multi-GPU row against its 1-GPU row of the same call: the row
+    named ``NAME_asN`` (one GPU trained on the N-GPU run's batches) where there is one, else the
+    1-GPU row of the same name."""
+    ok = [r for r in rows if "error" not in r and r.get("samples_per_s")]
+    one = {(r["workload"], label_of(r)): r for r in ok if r.get("world_size") == 1}
+    out = []
+    for r in ok:
+        n = r.get("world_size", 1)
+        base = one.get((r["workload"], f"{label_of(r)}_as{n}")) or one.get((r["workload"], label_of(r)))
+        if n > 1 and base:
+            out.append({"workload": r["workload"], "name": label_of(r), "world_size": n, "baseline": label_of(base),
+                        "efficiency": r["samples_per_s"] / (n * base["samples_per_s"])})
+    return out
 
 
 def select(stages: list, stage_ids: str, jobs: str) -> list:
@@ -302,7 +478,7 @@ def select(stages: list, stage_ids: str, jobs: str) -> list:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("plan", choices=sorted(PLANS))
+    ap.add_argument("plan", choices=sorted(PLANS) + sorted(SCRIPT_PLANS))
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole plan")
     ap.add_argument("--dry", action="store_true", help="tiny models on CPU")
@@ -314,11 +490,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from run import check_experiments  # a stale plan fails here, before any device time is spent
 
-    stages = select(PLANS[a.plan], a.stages, a.jobs)
+    stages = select({**PLANS, **SCRIPT_PLANS}[a.plan], a.stages, a.jobs)
     for stage in stages:
+        check_stage(stage)
         for job in stage:
-            check_experiments(job.experiments())
-    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+            if isinstance(job, Script):
+                if not os.path.exists(os.path.join(HERE, job.args[0])):
+                    raise ValueError(f"job {job.label}: no script bench/{job.args[0]}")
+            else:
+                check_experiments(job.experiments())
+    for sub in ("logs", "rows"):
+        os.makedirs(os.path.join(a.out, sub), exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="gpu_session_")
     t0 = time.time()
     if not a.dry and not a.no_calib:
         subprocess.run("nvidia-smi; nvidia-smi topo -m", shell=True)
@@ -329,10 +512,11 @@ def main(argv=None) -> int:
             print(f"skipping stage {i}: budget spent", flush=True)
             failed += len(stage)
             continue
-        failed += run_stage(stage if a.shared_process else one_per_process(stage), a.out, a.dry, t0, a.budget)
+        failed += run_stage(stage if a.shared_process else one_per_process(stage), a.out, a.dry, t0, a.budget, scratch)
     with tarfile.open(os.path.join(a.out, "logs.tar.gz"), "w:gz") as tar:
         tar.add(os.path.join(a.out, "logs"), arcname="logs")
-    shutil.rmtree(os.path.join(a.out, "logs"))
+    for done in (os.path.join(a.out, "logs"), os.path.join(a.out, "rows"), scratch):  # rows: now in results.jsonl
+        shutil.rmtree(done, ignore_errors=True)
     print(f"total {time.time() - t0:.0f}s, {failed} job(s) failed")
     print(table(os.path.join(a.out, "results.jsonl")))
     return 1 if failed else 0

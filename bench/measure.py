@@ -10,6 +10,7 @@ device synchronisation.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import statistics
 import time
@@ -42,6 +43,17 @@ def reduce(values: list[float], op: str = "sum") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=dev)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
     return t.tolist()
+
+
+def gather(values: list[float]) -> list[list[float]]:
+    """Every rank's copy of a few host floats, in rank order; ``[values]`` without a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [list(values)]
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, t)
+    return [x.tolist() for x in out]
 
 
 def to_device(b, dev):
@@ -228,6 +240,13 @@ def summarize(exp, workload, ws, elapsed, stats, waits_s, step_times, mem, extra
     elapsed = reduce([elapsed], "max")[0]
     wait = reduce([waits_s], "max")[0]
     m = dict(zip(mem, reduce([mem[k] for k in mem], "max")))
+    # per GPU, for scaling runs: is one rank's memory, clock or power unlike the others' (NaN:
+    # a rank without NVML)
+    nan = float("nan")
+    clock = extra.get("sm_clock_mhz", [nan, nan, nan])[1]
+    per = gather([mem.get("peak_alloc_gb", 0.0) / 1e9, clock, extra.get("power_w_mean", nan)])
+    per_gpu = {key: [None if math.isnan(v) else round(v, 2) for v in col] for key, col in
+               zip(("peak_alloc_gb_per_gpu", "sm_clock_mhz_per_gpu", "power_w_per_gpu"), zip(*per))}
     per_gpu_tflops = g["flops"] / elapsed / ws / 1e12
     return {
         "workload": workload, "name": exp["name"], "peer": exp["peer"], "world_size": ws,
@@ -241,6 +260,6 @@ def summarize(exp, workload, ws, elapsed, stats, waits_s, step_times, mem, extra
         "tflops_per_gpu": per_gpu_tflops, "mfu": per_gpu_tflops * 1e12 / PEAK_BF16,
         "data_wait_frac": wait / elapsed, "step_ms_median": 1e3 * statistics.median(step_times) if step_times else None,
         "step_ms_all": [round(1e3 * t, 1) for t in step_times],
-        **{k: round(v / 1e9, 3) for k, v in m.items()},
+        **{k: round(v / 1e9, 3) for k, v in m.items()}, **per_gpu,
         **extra,
     }
