@@ -31,7 +31,9 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``. Under ddptrain's compiled layers this
   does not take (call s8a: cuDNN's kernels still ran).
 * ``--ov`` keys ``bench.cudagraphs=A+B`` (modules of these classes compiled whole with CUDA
-  graphs) and ``bench.cg_encoder=true`` (= ``GlmAsrEncoder``): experiments, not ddptrain options.
+  graphs), ``bench.cg_encoder=true`` (= ``GlmAsrEncoder``) and ``bench.compile_mode=M`` (the
+  regional compile of ``compile.module_classes`` in mode M, e.g. ``reduce-overhead``: CUDA
+  graphs per layer): experiments, not ddptrain options.
 
 ``--profile`` adds, for ddptrain peers, a profile of 2 steps after the timed ones: step time,
 GPU-busy time and kernel time by category. Results of 2026-12-01 (one H200, three calls; the
@@ -217,6 +219,9 @@ def run_ddptrain(args) -> dict:
     cg = [o.split("=", 1)[1].split("+") for o in ov if o.startswith("bench.cudagraphs=")]
     cg = (cg[0] if cg else []) + (["GlmAsrEncoder"] if "bench.cg_encoder=true" in ov else [])
     cfg = recipe_cfg(args, [o for o in ov if not o.startswith("bench.")])
+    for o in ov:  # bench.compile_mode=M: the regional compile in a mode the config refuses (reduce-overhead)
+        if o.startswith("bench.compile_mode="):
+            cfg.compile.mode = o.split("=", 1)[1]
     info = ddptrain.setup_distributed(cfg)
     tiny = tiny_tokens() if args.preset == "tiny" else None
     from models.glmasr import GlmAsrForTraining, load_hf_model
