@@ -171,6 +171,7 @@ def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> di
     steps = len(stats) // world_size
     return {"workload": "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts", "peer": peer, "world_size": world_size,
             "steps": steps, "warmup": args.warmup, "elapsed_s": round(elapsed, 3),
+            "samples": int(tot["n"]), "audio_s": round(tot["audio_s"], 3),  # the timed work itself
             "samples_per_s": tot["n"] / elapsed, "audio_s_per_s": tot["audio_s"] / elapsed,
             "samples_per_step": tot["n"] / max(1, steps), "padding_fraction": 1 - tot["real"] / max(1, tot["padded"]),
             "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
