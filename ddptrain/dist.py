@@ -52,8 +52,9 @@ def configure_allocator(conf: str) -> None:
     if not conf or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf  # read when CUDA initialises (and by child processes)
-    if torch.cuda.is_initialized():  # CUDA already in use: new segments follow the settings
-        torch._C._accelerator_setAllocatorSettings(conf)
+    apply_now = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if torch.cuda.is_initialized() and apply_now:  # CUDA already in use: new segments follow the settings
+        apply_now(conf)
 
 
 def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
