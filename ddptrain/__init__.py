@@ -11,7 +11,7 @@ in :mod:`ddptrain.data`.
 from ddptrain.checkpoint import CheckpointError, load_weights, save_weights
 from ddptrain.config import Config, ConfigError, load_config
 from ddptrain.dist import DistInfo
-from ddptrain.dist import setup as _setup
+from ddptrain.dist import setup_for as _setup_for
 from ddptrain.loading import empty_weights, load_pretrained
 from ddptrain.lora import apply_lora, lora_state_dict, merge_lora
 from ddptrain.losses import causal_lm_loss
@@ -25,7 +25,7 @@ def setup_distributed(config: Config) -> DistInfo:
 
     Call it before building rank-aware data loaders, so samplers can read the rank and world size.
     """
-    return _setup(config.dist.backend, config.dist.timeout_s, config.trainer.device, config.trainer.cuda_alloc_conf)
+    return _setup_for(config)
 
 
 __all__ = ["Trainer", "TrainingError", "Config", "ConfigError", "load_config", "setup_distributed",

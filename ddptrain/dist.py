@@ -103,6 +103,11 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
     return DistInfo(rank, world_size, local_rank, dev, backend)
 
 
+def setup_for(config) -> DistInfo:
+    """:func:`setup` with a config's ``dist`` and ``trainer`` keys (the one place that maps them)."""
+    return setup(config.dist.backend, config.dist.timeout_s, config.trainer.device, config.trainer.cuda_alloc_conf)
+
+
 def _restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta):
     """The rendezvous store, with keys namespaced by torchrun's restart count.
 

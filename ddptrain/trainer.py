@@ -71,7 +71,7 @@ class Trainer:
         self.cfg, self.loss_fn, self.metrics_fn = config, loss_fn, metrics_fn
         self.train_data, self.eval_data = train_data, eval_data
         t = config.trainer
-        self.info = dist.setup(config.dist.backend, config.dist.timeout_s, t.device, t.cuda_alloc_conf)
+        self.info = dist.setup_for(config)
         self.device = self.info.device
         torch.manual_seed(t.seed + self.info.rank)  # dropout differs per rank; DDP syncs the init
         torch.use_deterministic_algorithms(t.deterministic)

@@ -270,8 +270,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     _, schema, build = load_recipe(args.recipe)
     cfg = load_config(args.config, overrides, schema=schema)
-    info = dist.setup(cfg.dist.backend, cfg.dist.timeout_s, cfg.trainer.device,
-                      cfg.trainer.cuda_alloc_conf)  # as ddptrain.setup_distributed
+    info = dist.setup_for(cfg)  # as ddptrain.setup_distributed
     if info.world_size > 1:
         raise ConfigError("run the tuner in one process (python, not torchrun): its budgets hold per rank")
     built = build(cfg, info) if len(inspect.signature(build).parameters) >= 2 else build(cfg)
