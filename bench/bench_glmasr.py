@@ -14,6 +14,10 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
 * ``hf``: transformers.Trainer, bf16, the model's own forward with ``labels`` (-100 off the
   transcript), random batches of 16 (its default sampler), fused AdamW, clip 1.0.
 * ``hf_compile``: the same with ``torch_compile=True``.
+* ``hf_grouped``, ``hf_compile_grouped``: the same with the HF Trainer's
+  ``train_sampling_strategy="group_by_length"`` (its ``LengthGroupedSampler``: megabatches of
+  50 batches sorted by length), on precomputed lengths (audio seconds) as a ``datasets`` length
+  column would give them: the HF Trainer's own bucketing, so its decoder is padded less.
 * ``hf_ds2``: the same under DeepSpeed ZeRO-2 (a config without an ``optimizer`` block, so the
   HF Trainer's torch AdamW is used and no DeepSpeed op is compiled).
 * ``bare``: a plain loop over the same HF forward and batches: autocast bf16, fused AdamW, clip 1.0,
@@ -33,7 +37,9 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
 * ``--ov`` keys ``bench.cudagraphs=A+B`` (modules of these classes compiled whole with CUDA
   graphs), ``bench.cg_encoder=true`` (= ``GlmAsrEncoder``) and ``bench.compile_mode=M`` (the
   regional compile of ``compile.module_classes`` in mode M, e.g. ``reduce-overhead``: CUDA
-  graphs per layer): experiments, not ddptrain options.
+  graphs per layer) and ``bench.inductor.NAME=VALUE`` (an Inductor setting, e.g.
+  ``cpp_wrapper=True``: kernels launched from C++ rather than Python): experiments, not ddptrain
+  options.
 
 ``--profile`` adds, for ddptrain peers, a profile of 2 steps after the timed ones: step time,
 GPU-busy time and kernel time by category. Results of 2026-12-01 (one H200, three calls; the
@@ -102,7 +108,7 @@ OVERRIDES["ddptrain_cut"] = ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_cut"] = OVERRIDES["ddptrain_best"] + ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
     "recompute.enabled=true", "recompute.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"]
-HF_PEERS = ("hf", "hf_compile", "hf_ds2", "bare")
+HF_PEERS = ("hf", "hf_compile", "hf_ds2", "hf_grouped", "hf_compile_grouped", "bare")
 
 
 # ------------------------------------------------------------------------------------ FLOPs
@@ -222,6 +228,14 @@ def run_ddptrain(args) -> dict:
     for o in ov:  # bench.compile_mode=M: the regional compile in a mode the config refuses (reduce-overhead)
         if o.startswith("bench.compile_mode="):
             cfg.compile.mode = o.split("=", 1)[1]
+        if o.startswith("bench.inductor."):  # bench.inductor.NAME=VALUE: an Inductor setting, e.g. cpp_wrapper=True
+            import ast
+
+            import torch._inductor.config as inductor_config
+            name, value = o[len("bench.inductor."):].split("=", 1)
+            if not hasattr(inductor_config, name):
+                raise ValueError(f"{o}: torch._inductor.config has no setting {name!r}")
+            setattr(inductor_config, name, ast.literal_eval(value))
     info = ddptrain.setup_distributed(cfg)
     tiny = tiny_tokens() if args.preset == "tiny" else None
     from models.glmasr import GlmAsrForTraining, load_hf_model
@@ -366,6 +380,15 @@ def run_hf(args) -> dict:
     record = {"stats": [], "t": {}}
 
     class BenchTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            if self.args.train_sampling_strategy != "group_by_length":
+                return super()._get_train_sampler(train_dataset)
+            from transformers.trainer_pt_utils import LengthGroupedSampler
+
+            # what the HF Trainer builds from a datasets.Dataset's length column (it would
+            # otherwise compute every item's features once to measure it)
+            return LengthGroupedSampler(self.args.train_batch_size, lengths=[int(1000 * d) for d in dataset.durations])
+
         def training_step(self, model, inputs, num_items_in_batch=None):
             s = inputs.pop("stats")
             if w <= self.state.global_step < w + n:
@@ -380,8 +403,10 @@ def run_hf(args) -> dict:
                 record["t"][state.global_step] = time.perf_counter()
 
     extra_args = {}
-    if args.base == "hf_compile":
+    if args.base.startswith("hf_compile"):
         extra_args["torch_compile"] = True
+    if args.base.endswith("_grouped"):
+        extra_args["train_sampling_strategy"] = "group_by_length"
     if args.base == "hf_ds2":
         extra_args["deepspeed"] = {  # no "optimizer" block: the HF Trainer's torch AdamW, no DeepSpeed ops
             "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
@@ -446,7 +471,7 @@ def run_data(args) -> dict:
             "batches_per_s": args.steps / dt, "samples_per_s": n / dt, "workers": args.workers}
 
 
-PEERS = {"hf": run_hf, "hf_compile": run_hf, "hf_ds2": run_hf, "bare": run_bare, "data": run_data}
+PEERS = {**{name: run_hf for name in HF_PEERS if name != "bare"}, "bare": run_bare, "data": run_data}
 
 
 FLASH = "_flash"  # suffix: the same peer with attention limited to PyTorch's flash / efficient kernels
@@ -519,7 +544,7 @@ def main(argv=None) -> int:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             tic = time.time()
             try:
-                limit = args.hf_compile_timeout if base_peer(peer) == "hf_compile" else args.timeout
+                limit = args.hf_compile_timeout if base_peer(peer).startswith("hf_compile") else args.timeout
                 proc = subprocess.run(cmd, env=env, timeout=limit, capture_output=True, text=True)
                 ok = proc.returncode == 0 and os.path.exists(row_file)
                 row = json.load(open(row_file)) if ok else {
