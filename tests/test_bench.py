@@ -131,3 +131,20 @@ def test_dry_run_of_the_hf_trainer_peer_where_accelerate_is_installed(tmp_path, 
     assert gpu_session.main(["peers1", "--dry", "--jobs", "wh_hf", "--out", str(tmp_path)]) == 0
     (row,) = rows(tmp_path / "results.jsonl")
     assert row["peer"] == "hf" and row["hf_mode"] == "eager" and row["steps"] == 2 and row["samples_per_s"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_glmasr_hf_grouped_peer_uses_the_hf_trainers_length_grouping(tmp_path):
+    # the HF Trainer's group_by_length (its best setting for variable lengths) must pad less
+    # than its random batches on the same corpus, or the peer is not what its name says
+    pytest.importorskip("transformers")
+    import bench_glmasr
+
+    out = tmp_path / "r.jsonl"
+    rc = bench_glmasr.main(["--preset", "tiny", "--warmup", "1", "--steps", "3", "--workers", "0",
+                            "--peers", "hf,hf_grouped", "--out", str(out)])
+    assert rc == 0
+    # audio seconds per padded decoder position: the share of a batch that is not padding (a
+    # grouped batch of long utterances is long too, so its padded length alone says nothing)
+    fill = {r["peer"]: r["audio_s_per_s"] / r["samples_per_s"] / r["mean_decoder_length"] for r in rows(out)}
+    assert fill["hf_grouped"] > 1.3 * fill["hf"]
