@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import math
 import multiprocessing
 import os
 import signal
@@ -70,13 +71,45 @@ def budget_cpu_threads(loader: Any) -> None:
     torch.set_num_threads(max(1, usable_cpu_count() // local - workers))
 
 
-def usable_cpu_count() -> int:
-    """The cores this process may run on: its CPU affinity (taskset, a container's or SLURM's
-    cpuset), else every core of the machine (``os.cpu_count()``, which ignores the affinity)."""
+def usable_cpu_count(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may use: its CPU affinity (taskset, a container's or SLURM's
+    cpuset), else every core of the machine (``os.cpu_count()``, which ignores the affinity);
+    at most its cgroup's CPU quota rounded up (``docker --cpus``, a Kubernetes CPU limit), which
+    throttles a process that runs more threads than the quota instead of hiding the cores."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        cores = len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # no sched_getaffinity on macOS and Windows
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[float]:
+    """CPUs' worth of time per period the process's cgroup may use, or None (no limit, or no
+    cgroup file readable). cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") of the own
+    cgroup (``/proc/self/cgroup``) or, inside a container's namespace, of the root; v1:
+    ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1 = no limit)."""
+    own = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
+    except OSError:
+        pass
+    for folder in dict.fromkeys([os.path.join(root, own.lstrip("/")), root]):
+        try:
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            continue
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def prepare_loader_workers(loader: Any, names: list[str]) -> None:
