@@ -16,6 +16,12 @@ another config is compared key by key:
       class RecipeConfig(ddptrain.Config):
           tts: TTSConfig = field(default_factory=TTSConfig)
           RESUME_REFUSED: ClassVar[dict[str, str]] = {"tts.path": "the latents come from this model's VAE"}
+          RESUME_FOLDERS: ClassVar[tuple[str, ...]] = ("tts.path",)
+
+  A key in ``RESUME_FOLDERS`` names a model file or folder: it may change when only the path
+  did (the folder was moved or copied to another node). Each checkpoint holds a fingerprint of
+  each such folder (``folders.json``: its files' names and sizes, its ``config.json`` and bytes
+  sampled through each file, :func:`fingerprint`), and the new path must match it.
 * applied: everything else. ``lora.dropout`` and ``data.eval_sources`` (evaluation only) among
   them, like ``data.eval_manifest``. Optimizer hyperparameters (``optim.lr``, ``weight_decay``,
   betas, ...) are re-applied over the checkpoint's from the resumed step on; the LR schedule
@@ -35,6 +41,8 @@ each checkpoint holds the config it was saved under.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -162,6 +170,84 @@ def refused_keys(config: Any) -> dict:
     return {**REFUSED, **extra}
 
 
+def folder_keys(config: Any) -> tuple:
+    """The config class's ``RESUME_FOLDERS``: refused keys that name a model file or folder.
+
+    Raises:
+        ConfigError: a key the config does not have, or one ``RESUME_REFUSED`` does not refuse
+            (a folder key is a refused key with a way out when only the path changed).
+    """
+    keys = tuple(getattr(type(config), "RESUME_FOLDERS", ()))
+    bad = sorted(k for k in keys if k not in flatten(config) or refused(k, refused_keys(config)) is None)
+    if bad:
+        raise ConfigError(f"{type(config).__name__}.RESUME_FOLDERS names keys the config does not have "
+                          "or RESUME_REFUSED does not refuse: " + ", ".join(bad))
+    return keys
+
+
+SAMPLES, SAMPLE_BYTES = 16, 4096  # per file: enough to tell two weight files of one shape apart
+
+
+def fingerprint(path: str) -> Optional[str]:
+    """What stays the same when a model file or folder is moved or copied, and not when its
+    weights change: a hash over the (top-level) files' names and sizes, the whole of a folder's
+    ``config.json``, and 16 x 4 KiB read at fixed fractions through each file (two fine-tunes
+    of one model have the same names, sizes and config, but not the same bytes). None: an empty
+    path or nothing there. Cost: a directory listing and ~64 KiB read per file."""
+    if not path or not os.path.exists(path):
+        return None
+    folder = os.path.isdir(path)
+    files = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))) if folder else [path]
+    h = hashlib.sha256()
+    for name in files:
+        full = os.path.join(path, name) if folder else name
+        size = os.path.getsize(full)
+        h.update(f"{os.path.basename(name)}\0{size}\0".encode())
+        with open(full, "rb") as f:
+            if folder and name == "config.json":
+                h.update(f.read())
+                continue
+            for i in range(SAMPLES):
+                f.seek(max(0, size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def fingerprints(config: Any) -> dict:
+    """``{key: fingerprint}`` of the config's :func:`folder_keys` (saved with every checkpoint)."""
+    flat = flatten(config)
+    return {k: fingerprint(str(flat[k] or "")) for k in folder_keys(config)}
+
+
+FOLDERS_FILE = "folders.json"  # in a checkpoint: {key: fingerprint} of the run's model folders
+
+
+def saved_folders(checkpoint: str) -> dict:
+    """The fingerprints a checkpoint was saved with ({} for one without model-folder keys).
+
+    Raises:
+        ConfigError: the file is there but is not a JSON object (names the file).
+    """
+    path = os.path.join(checkpoint, FOLDERS_FILE)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); it holds the fingerprints of the run's model "
+                          "folders, rewritten at every checkpoint") from e
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: expected a JSON object of model-folder fingerprints, got {type(saved).__name__}")
+    return saved
+
+
+def same_folders(diff: dict, saved: Mapping, now: Mapping) -> set:
+    """The folder keys of ``diff`` whose path changed but whose folder did not: the fingerprint
+    saved with the checkpoint (``saved``) equals the new path's (``now``)."""
+    return {k for k in diff if k in now and now[k] is not None and saved.get(k) == now[k]}
+
+
 def refused(key: str, table: Mapping[str, str] = REFUSED) -> Optional[str]:
     """Why ``key`` (a diff key of :func:`changes`) may not change on resume, or None. An entry
     of a dict-valued key (``data.train_weights.accent``) is refused as its key is. ``table``:
@@ -172,15 +258,16 @@ def refused(key: str, table: Mapping[str, str] = REFUSED) -> Optional[str]:
     return None
 
 
-def check(diff: dict, checkpoint: str, table: Mapping[str, str] = REFUSED) -> None:
+def check(diff: dict, checkpoint: str, table: Mapping[str, str] = REFUSED, moved: set = frozenset()) -> None:
     """Refuse the keys a resume may not change (``table``: :data:`REFUSED`, or
-    :func:`refused_keys` of the run's config).
+    :func:`refused_keys` of the run's config), except the model folders in ``moved``
+    (:func:`same_folders`).
 
     Raises:
         ConfigError: naming each refused key, its saved and new value, and why.
     """
     bad = [f"  {k}: saved {old!r}, now {new!r} ({refused(k, table)})"
-           for k, (old, new) in diff.items() if refused(k, table)]
+           for k, (old, new) in diff.items() if refused(k, table) and k not in moved]
     if bad:
         raise ConfigError(f"cannot resume {checkpoint} with these keys changed:\n" + "\n".join(bad)
                           + "\nset them back to the saved values, or start a new run from the weights "

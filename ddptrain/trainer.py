@@ -16,6 +16,7 @@ accumulation 4 and 4 GPUs without accumulation produce the same update.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from typing import Any, Callable, Iterable, Optional
@@ -81,6 +82,7 @@ class Trainer:
         self.logger: Optional[RunLogger] = None
         try:
             self.ckpt_root = ckpt.checkpoint_root(t.output_dir)
+            self._folders = resume.fingerprints(config)  # the recipe's model folders, saved with each checkpoint
             self._lock, resume_from, self.progress.run_id = runfolder.open_run(config, self.info.is_main, self.device)
             self._setup_model(model)
             self._setup_optimizer()
@@ -325,8 +327,11 @@ class Trainer:
         meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
         weights, header = ckpt.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
+        files = {"config.yaml": to_yaml(self.cfg)}
+        if self._folders:  # a resume may then name the same folder at another path
+            files[resume.FOLDERS_FILE] = json.dumps(self._folders)
         path = ckpt.save(self.ckpt_root, p.step, weights, *self._states(), meta, self.device,
-                         files={"config.yaml": to_yaml(self.cfg)}, weights_metadata=header)
+                         files=files, weights_metadata=header)
         self._last_saved_step = p.step
         if self.info.is_main:
             ckpt.prune(self.ckpt_root, c.keep_last, c.keep_best, c.best_metric, c.best_mode, p.run_id)
@@ -342,7 +347,8 @@ class Trainer:
                 diff = resume.changes(f.read(), self.cfg)
         except FileNotFoundError:
             diff = {}
-        resume.check(diff, path, resume.refused_keys(self.cfg))
+        moved = resume.same_folders(diff, resume.saved_folders(path), self._folders)
+        resume.check(diff, path, resume.refused_keys(self.cfg), moved)
         meta = ckpt.load(path, *self._states(), self.info.world_size, self.info.rank)
         source, saved = ckpt.read_weights(path)
         ckpt.apply_weights(self.module, source, saved, strict=True, expect=ckpt.resume_keys(self.module, source))

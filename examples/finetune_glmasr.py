@@ -107,6 +107,7 @@ class RecipeConfig(ddptrain.Config):
         "glmasr.path": "the saved weights were trained from this model",
         "glmasr.preset": "random init: the saved weights have this preset's layout",
     }
+    RESUME_FOLDERS: ClassVar[tuple[str, ...]] = ("glmasr.path",)  # moved or copied elsewhere: still accepted
 
 
 _CHOICES = {"preset": ("published", "tiny"), "encoder_length": ("window", "batch"), "long_audio": ("split", "refuse")}

@@ -91,6 +91,7 @@ class RecipeConfig(ddptrain.Config):
         "tts.preset": "random init: the saved weights have this preset's layout",
         "tts.vae_seed": "random init: the latents were encoded by the random VAE of this seed",
     }
+    RESUME_FOLDERS: ClassVar[tuple[str, ...]] = ("tts.path",)  # moved or copied elsewhere: still accepted
 
 
 def check_recipe_config(cfg) -> None:
