@@ -193,23 +193,27 @@ def fingerprint(path: str) -> Optional[str]:
     weights change: a hash over the (top-level) files' names and sizes, the whole of a folder's
     ``config.json``, and 16 x 4 KiB read at fixed fractions through each file (two fine-tunes
     of one model have the same names, sizes and config, but not the same bytes). None: an empty
-    path or nothing there. Cost: a directory listing and ~64 KiB read per file."""
+    path, nothing there or a file that cannot be read (the path is then compared as text).
+    Cost: a directory listing and ~64 KiB read per file."""
     if not path or not os.path.exists(path):
         return None
     folder = os.path.isdir(path)
-    files = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))) if folder else [path]
     h = hashlib.sha256()
-    for name in files:
-        full = os.path.join(path, name) if folder else name
-        size = os.path.getsize(full)
-        h.update(f"{os.path.basename(name)}\0{size}\0".encode())
-        with open(full, "rb") as f:
-            if folder and name == "config.json":
-                h.update(f.read())
-                continue
-            for i in range(SAMPLES):
-                f.seek(max(0, size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1))
-                h.update(f.read(SAMPLE_BYTES))
+    try:
+        files = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n))) if folder else [path]
+        for name in files:
+            full = os.path.join(path, name) if folder else name
+            size = os.path.getsize(full)
+            h.update(f"{os.path.basename(name)}\0{size}\0".encode())
+            with open(full, "rb") as f:
+                if folder and name == "config.json":
+                    h.update(f.read())
+                    continue
+                for i in range(SAMPLES):
+                    f.seek(max(0, size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1))
+                    h.update(f.read(SAMPLE_BYTES))
+    except OSError:
+        return None
     return h.hexdigest()
 
 
