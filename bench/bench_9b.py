@@ -211,6 +211,7 @@ def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
             "mfu": flops / med / PEAK_BF16, "peak_alloc_gib": round(max(per_gpu), 2),
             "peak_alloc_gib_per_gpu": [round(x, 2) for x in per_gpu],
             "peak_alloc_gb_per_gpu": [round(x * 2**30 / 1e9, 2) for x in per_gpu],
+            "peak_alloc_gb": round(max(per_gpu) * 2**30 / 1e9, 2),  # the results schema's unit (1e9 bytes)
             "samples_per_s": ws / med, "audio_s_per_s": None,  # one sequence per GPU and step
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "transformers": transformers.__version__, "date": datetime.date.today().isoformat(), **extra}

@@ -267,7 +267,10 @@ def run_workload(args, workload: str, folder: str, emit) -> None:
         for i, (variant, change) in enumerate(order):
             cfg = config(args, workload, os.path.join(folder, variant))
             model, loss, loader = build(args, workload, cfg)
-            row = {"workload": workload, "variant": variant, "tuned": variant == "tuned",
+            # peer/world_size/mfu: the results schema's fields (no FLOP model here: mfu is None;
+            # batch sizes vary per bucket: batch is the epoch's mean, set after training)
+            row = {"workload": workload, "peer": f"ddptrain_{variant}", "world_size": 1, "mfu": None,
+                   "variant": variant, "tuned": variant == "tuned",
                    "per_bucket": variant == "tuned", "budget": hand if variant == "hand" else None,
                    "memory_target_gb": doc["memory_target_gb"], "tuning_s": doc["tuning_s"],
                    "bucket_batch_sizes": [b["batch_size"] for b in doc["buckets"]],
@@ -277,6 +280,7 @@ def run_workload(args, workload: str, folder: str, emit) -> None:
                 loader = with_sampler(loader, **change)
                 row["plan_batch_sizes"] = loader.batch_sampler.bucket_batch_sizes
                 row.update(train_epoch(model, loss, cfg, loader, args.warmup, doc))
+                row["batch"] = row.get("batch_size_mean")
             except Exception as e:  # an OOM (or anything) is a result row, not a lost session
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             del model

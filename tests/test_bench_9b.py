@@ -49,6 +49,8 @@ def test_plan_dry_runs_on_cpu(tmp_path):
     lora, zero = rows["lora_ddptrain"], rows["full9b_zero"]
     for r in (lora, zero):
         assert "error" not in r and "9b" in r["workload"] and r["steps"] == 2 and r["tokens_per_s"] > 0
+        assert {"workload", "peer", "world_size", "batch", "samples_per_s", "audio_s_per_s", "peak_alloc_gb",
+                "mfu"} <= set(r)
     assert lora["adapted_layers"] == 12 and 0 < lora["num_trainable"] < 0.1 * lora["num_params"]
     assert zero["world_size"] == 2 and zero["num_trainable"] == zero["num_params"]
     assert lora["recomputed"] == zero["recomputed"] == 2

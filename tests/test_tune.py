@@ -456,6 +456,8 @@ def test_the_gpu_measurement_plan_dry_runs_on_cpu(tmp_path):
     assert all(h <= t for h, t in zip(hand["plan_batch_sizes"], tuned["bucket_batch_sizes"]))
     assert hand["steps"] > 0 and tuned["samples_per_s"] > 0 and hand["budget"] > 0
     assert all(r["wall_s"] > 0 and len(r["bucket_peak_gb"]) == len(r["bucket_batch_sizes"]) for r in rows)
+    schema = {"workload", "peer", "world_size", "batch", "samples_per_s", "audio_s_per_s", "peak_alloc_gb", "mfu"}
+    assert all(schema <= set(r) for r in rows) and tuned["peer"] == "ddptrain_tuned" and tuned["batch"] > 0
 
 
 def test_the_gpu_rows_say_where_trainings_peak_happened(monkeypatch):
