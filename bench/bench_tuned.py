@@ -22,7 +22,8 @@ Steps, all under one memory target (``--memory-gb``, default 90% of the GPU):
    the largest one under which every bucket's costliest batch fits. It follows from step 1's
    per-bucket maxima without another measurement: bucket ``b`` takes ``floor(M / cost_b)`` rows,
    which fits while that is ``<= B_b``, so ``M* = min over b of (B_b + 1) * cost_b`` (minus a
-   hair; buckets the search capped do not bind).
+   hair; buckets the search capped do not bind): the budget file's ``single_max_duration``
+   (``ddptrain.tune.single_max_duration``).
 3. Each variant trains one full epoch plan with ddptrain.Trainer on a fresh model (no OOM
    allowed; an OOM is an error row): samples/s and audio-seconds/s after ``--warmup`` steps,
    the epoch's wall time, steps, padding, mean batch size and peak memory. The variants run
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -62,7 +62,6 @@ import workloads  # noqa: E402
 import ddptrain  # noqa: E402
 from ddptrain import tune  # noqa: E402
 from ddptrain.data import DurationBucketSampler, SpeechCollator  # noqa: E402
-from ddptrain.data.sampler import padded_cost  # noqa: E402
 
 WORKLOADS = ("wav2vec2", "conformer", "glmasr")
 GB = 1e9
@@ -168,15 +167,6 @@ def with_sampler(loader, **changes):
     return new
 
 
-def best_single_budget(doc: dict, sampler) -> float:
-    """The largest single max_duration under which no bucket of ``sampler`` exceeds its measured
-    maximum (from the sampler's exact lengths: the file rounds them)."""
-    q = sampler.quadratic_duration
-    bound = [(b["batch_size"] + 1) * float(padded_cost(hi, q))
-             for b, (_, hi) in zip(doc["buckets"], sampler.bucket_edges) if not b["capped"]]
-    return math.nextafter(min(bound), 0.0) if bound else max(b["padded_s"] for b in doc["buckets"])
-
-
 def cuda_peak() -> float:
     """The allocator's peak so far; host-side bookkeeping, so reading it every step costs no sync."""
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0.0
@@ -260,7 +250,8 @@ def run_workload(args, workload: str, folder: str, emit) -> None:
         doc = tune.find_bucket_budgets(model, loss, cfg, loader, args.memory_gb, out=budgets, tolerance=0.0,
                                        meter=meter, say=lambda line: print(workload, line, flush=True))
         del model
-        hand = best_single_budget(doc, loader.batch_sampler)
+        # the best single budget the tuner's measurements allow (all buckets capped: the largest batch)
+        hand = doc["single_max_duration"] or max(b["padded_s"] for b in doc["buckets"])
         # in turns, ``--passes`` times: the first pass pays the per-shape costs (cuDNN plans,
         # autotuning) for whichever variant runs first; the last pass compares warm variants
         order = [("hand", {"max_duration": hand}), ("tuned", {"bucket_budgets": budgets})] * args.passes

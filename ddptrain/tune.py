@@ -47,6 +47,7 @@ import copy
 import dataclasses
 import importlib.util
 import inspect
+import math
 import os
 import sys
 import tempfile
@@ -222,8 +223,34 @@ def find_bucket_budgets(model: torch.nn.Module, loss_fn, config, loader_or_sampl
             for r, b in zip(found, sampler_buckets(sampler))]
     doc = dict(memory_target_gb=memory_target_gb, device=meter.name(), capacity_gb=round(meter.capacity() / GB, 2),
                base_gb=round(base / GB, 3), tolerance=tolerance, tuning_s=round(time.perf_counter() - start, 1),
-               settings=settings, date=time.strftime("%Y-%m-%d"))
+               single_max_duration=single_max_duration(sampler, found), settings=settings,
+               date=time.strftime("%Y-%m-%d"))
     return write_bucket_budgets(out, sampler, [r["batch_size"] for r in found], info, **doc)
+
+
+def single_max_duration(sampler, found: Sequence[dict]) -> Optional[float]:
+    """The largest one ``data.max_duration`` under which every bucket's costliest batch still
+    fits: with one budget M, bucket b takes floor(M / cost_b) rows (cost_b: the padded cost of
+    its longest utterance), which fits while that is at most its measured size B_b; so M* = min
+    over b of (B_b + 1) x cost_b, minus a hair. Buckets whose search stopped at a cap (their
+    utterance count, ``data.max_batch_size``) do not bind; None if every bucket did.
+
+    Where memory grows linearly with padded seconds, M* is as good as the per-bucket budgets
+    (every bucket's limit is the same padded seconds); the per-bucket file pays where it is not.
+    """
+    q = sampler.quadratic_duration
+    bounds = [(r["batch_size"] + 1) * float(padded_cost(b.longest, q))
+              for r, b in zip(found, sampler_buckets(sampler)) if not r["capped"]]
+    return math.nextafter(min(bounds), 0.0) if bounds else None
+
+
+def single_budget_gain(loader_or_sampler, doc: dict) -> float:
+    """The most rows per batch the budget file gives a bucket, over what
+    ``single_max_duration`` would give it (>= 1: the single budget fits under every bucket)."""
+    sampler = bucket_sampler(loader_or_sampler)
+    q, single = sampler.quadratic_duration, doc["single_max_duration"]
+    return max(r["batch_size"] / max(1, min(b.cap, math.floor(single / float(padded_cost(b.longest, q)))))
+               for r, b in zip(doc["buckets"], sampler_buckets(sampler)))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -281,6 +308,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{b['bucket']:>6} {b['shortest_s']:>6.2f}-{b['longest_s']:<6.2f} {b['batch_size']:>6} "
               f"{b['padded_s']:>9.1f} {b['peak_gb'] if b['peak_gb'] is not None else '-':>8}")
     print(f"wrote {args.out} in {doc['tuning_s']} s; train with data.bucket_budgets={args.out}")
+    single = doc["single_max_duration"]
+    if single is not None:  # what one budget for all buckets would be, and what the file gains over it
+        gain = single_budget_gain(loader, doc)
+        print(f"one budget for every bucket instead: data.max_duration={math.floor(single * 10) / 10}; the "
+              f"file's batches hold up to {gain:.2f}x its rows"
+              + (" (memory close to linear in padded seconds: either does)" if gain < 1.1 else ""))
     return 0
 
 

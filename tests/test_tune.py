@@ -7,6 +7,7 @@ by training with the file, and the Trainer's pre-flight check (names the bucket,
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -199,6 +200,11 @@ def test_find_bucket_budgets_runs_real_steps_and_writes_what_the_sampler_reads(t
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "tuning moved the weights"
     tuned = DurationBucketSampler(DURS, max_duration=20.0, num_buckets=4, seed=1, bucket_budgets=str(out))
     assert tuned.bucket_batch_sizes == expect != s.bucket_batch_sizes
+    # the best single max_duration: no bucket over its measured size, and a hair more puts one over
+    single = doc["single_max_duration"]
+    at = DurationBucketSampler(DURS, max_duration=single, num_buckets=4, seed=1).bucket_batch_sizes
+    above = DurationBucketSampler(DURS, max_duration=math.nextafter(single, math.inf), num_buckets=4, seed=1)
+    assert all(a <= e for a, e in zip(at, expect)) and any(a > e for a, e in zip(above.bucket_batch_sizes, expect))
     # the tuned plan trains a whole epoch on the fake device without an OOM
     loaded = loader(bucket_budgets=str(out))
     with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.max_epochs=1",
@@ -299,6 +305,7 @@ def test_command_line_on_the_asr_recipe_then_training_with_the_file(tmp_path, mo
         printed = capsys.readouterr().out
         assert rc == 0 and f"data.bucket_budgets={out}" in printed
         doc = json.load(open(out))
+        assert (doc["single_max_duration"] is None) != ("one budget for every bucket instead" in printed)
         for b in doc["buckets"]:  # the size chosen fits, one more does not (or the bucket is used up)
             assert b["peak_gb"] <= 0.0025
             assert b["capped"] or any(t[0] == b["batch_size"] + 1 and t[1] in ("oom", "over") for t in b["tries"])
