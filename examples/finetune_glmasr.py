@@ -533,7 +533,8 @@ def main(argv: list[str]) -> dict:
     if cfg.glmasr.export_dir and info.is_main:
         trainer.module.save_pretrained(cfg.glmasr.export_dir, hf_tok)
         print(f"saved the fine-tuned model to {cfg.glmasr.export_dir}")
-    ddptrain.dist.barrier()
+    trainer.close()
+    ddptrain.dist.teardown()  # every rank, after rank 0's export: the process group ends here
     return result
 
 

@@ -448,3 +448,4 @@ def main(argv: list[str]) -> dict:
 
 if __name__ == "__main__":
     print(main(sys.argv[1:]))
+    ddptrain.dist.teardown()  # every rank ends its process group (none in a one-process run)
