@@ -8,6 +8,7 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
         trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress), rank 0
         {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer shard
         config.yaml           the config the checkpoint was saved under
+        folders.json          fingerprints of a recipe's model folders (RESUME_FOLDERS; ddptrain/resume.py)
         meta.json             step, epoch, world size, run id, eval metrics, time
         COMPLETE              written last; a folder without it is never loaded
 
