@@ -192,7 +192,8 @@ def fingerprint(path: str) -> Optional[str]:
     """What stays the same when a model file or folder is moved or copied, and not when its
     weights change: a hash over the (top-level) files' names and sizes, the whole of a folder's
     ``config.json``, and 16 x 4 KiB read at fixed fractions through each file (two fine-tunes
-    of one model have the same names, sizes and config, but not the same bytes). None: an empty
+    of one model have the same names, sizes and config, but not the same bytes; files that
+    differ only between the samples would pass as the same). None: an empty
     path, nothing there or a file that cannot be read (the path is then compared as text).
     Cost: a directory listing and ~64 KiB read per file."""
     if not path or not os.path.exists(path):
