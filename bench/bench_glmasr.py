@@ -393,11 +393,16 @@ def run_hf(args) -> dict:
             with attention_scope(args):  # the forward and backward are both inside training_step
                 return super().training_step(model, inputs, num_items_in_batch)
 
+    start = time.perf_counter()
+
     class Clock(TrainerCallback):
         def on_step_end(self, targs, state, control, **kw):
             if state.global_step in (w, w + n):
                 sync()
                 record["t"][state.global_step] = time.perf_counter()
+            if state.global_step <= 3 or state.global_step % 10 == 0:  # how far a peer that times out got
+                print(f"[{args.peer}] step {state.global_step} at {time.perf_counter() - start:.1f} s",
+                      file=sys.stderr, flush=True)
 
     extra_args = {}
     if args.base.startswith("hf_compile"):
@@ -537,6 +542,8 @@ def main(argv=None) -> int:
                    "--steps", str(args.steps), "--workers", str(args.workers)] + (["--profile"] if args.profile else [])
             cmd += [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ)
+            if base_peer(peer).startswith("hf_compile"):  # a timed-out row's tail then says what recompiled
+                env.setdefault("TORCH_LOGS", "recompiles")
             if base_peer(peer) == "hf_ds2":  # DeepSpeed wants a process group: one rank of torchrun's env
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             tic = time.time()
@@ -549,7 +556,7 @@ def main(argv=None) -> int:
                     "error": (proc.stdout + proc.stderr)[-3000:]}
             except subprocess.TimeoutExpired as e:
                 ok = False
-                tail = ((e.stdout or b"") + (e.stderr or b""))[-1500:]
+                tail = ((e.stdout or b"") + (e.stderr or b""))[-3000:]
                 row = {"workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
                        "error": f"did not finish within {limit:.0f} s (start, compile and "
                                 f"{args.warmup + args.steps} steps)",
