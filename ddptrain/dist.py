@@ -129,10 +129,10 @@ def _restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta)
 def teardown() -> None:
     """Destroy the process group (if we made one); safe to call twice. Every rank calls it at
     the end of a run. gloo can abort the process at exit ("terminate called without an active
-    exception") in two known ways, both guarded against here: one rank destroys its group while a peer still
-    has work pending on it (hence the barrier), or a finished run's DDP reducer and gloo work
-    objects, kept alive by reference cycles, are freed only while the interpreter shuts down
-    (hence a collection first, while everything they touch still exists)."""
+    exception") in two known ways, both guarded against here: one rank destroys its group while
+    a peer still has work pending on it (hence the barrier), or a finished run's DDP reducer and
+    gloo work objects, kept alive by reference cycles, are freed only while the interpreter shuts
+    down (hence a collection first, while everything they touch still exists)."""
     if dist.is_initialized():
         gc.collect()
         dist.barrier()

@@ -178,7 +178,8 @@ def folder_keys(config: Any) -> tuple:
             (a folder key is a refused key with a way out when only the path changed).
     """
     keys = tuple(getattr(type(config), "RESUME_FOLDERS", ()))
-    bad = sorted(k for k in keys if k not in flatten(config) or refused(k, refused_keys(config)) is None)
+    flat, table = flatten(config), refused_keys(config) if keys else REFUSED
+    bad = sorted(k for k in keys if k not in flat or refused(k, table) is None)
     if bad:
         raise ConfigError(f"{type(config).__name__}.RESUME_FOLDERS names keys the config does not have "
                           "or RESUME_REFUSED does not refuse: " + ", ".join(bad))
