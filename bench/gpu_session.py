@@ -299,7 +299,10 @@ def collect(job, out_dir: str, rc: int, why: str, log_tail: str) -> None:
     path = os.path.join(out_dir, "rows", f"{job.label}.jsonl")
     got = [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
     if not got:
-        got = [{"workload": getattr(job, "workload", os.path.basename(job.args[0]).split(".")[0]), "name": job.label,
+        # a Job names its workload, a Script only its script: getattr's default would be evaluated
+        # (and a Job has no args) even when the attribute exists
+        workload = job.workload if isinstance(job, Job) else os.path.basename(job.args[0]).split(".")[0]
+        got = [{"workload": workload, "name": job.label,
                 "world_size": len(job.gpus.split(",")), "error": why or f"exit status {rc} and no row",
                 "log_tail": log_tail[-1500:]}]
     with open(os.path.join(out_dir, "results.jsonl"), "a") as f:

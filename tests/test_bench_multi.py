@@ -91,6 +91,24 @@ def test_a_job_that_dies_without_a_row_leaves_an_error_row(tmp_path):
     assert row["name"] == "boom" and row["world_size"] == 2 and "did not finish" in row["error"] and row["job"] == "boom"
 
 
+def test_a_job_that_times_out_without_a_row_leaves_an_error_row_and_the_next_job_runs(tmp_path, monkeypatch):
+    """A timed-out Job (not a Script) used to crash collect, and with it every later job of the call."""
+    slow = gpu_session.Job("slow", "0", "whisper", [gpu_session.E("a", "ddptrain")], 1)
+    fast = gpu_session.Job("fast", "0", "conformer", [gpu_session.E("b", "ddptrain")], 60)
+    scripts = {"slow": "import time; time.sleep(60)",
+               "fast": "import json, sys; open(sys.argv[1], 'a').write(json.dumps({'workload': 'conformer', "
+                       "'name': 'b', 'samples_per_s': 1.0}) + '\\n')"}
+    monkeypatch.setattr(gpu_session, "job_cmd", lambda job, out, dry, port, scratch: [
+        sys.executable, "-c", scripts[job.label], os.path.join(out, "rows", f"{job.label}.jsonl")])
+    for d in ("rows", "logs"):
+        os.makedirs(tmp_path / d)
+    failed = gpu_session.run_stage([slow, fast], str(tmp_path), True, __import__("time").time(), 120)
+    got = rows(tmp_path / "results.jsonl")
+    assert failed == 1 and [r["job"] for r in got] == ["slow", "fast"]
+    assert got[0]["workload"] == "whisper" and "did not finish within 1 s" in got[0]["error"]
+    assert got[1]["name"] == "b" and "error" not in got[1]
+
+
 def test_voxcpm_plan_stays_in_one_epoch_on_four_ranks():
     """large4's VoxCPM jobs: 5 + 10 steps a rank on 4 ranks (and 4x that on one GPU) within one
     epoch of the 3,200-utterance plan, else the 1-GPU run would not see the 4-GPU run's batches."""
