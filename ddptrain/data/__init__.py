@@ -1,6 +1,7 @@
 """Speech data pipeline: manifests, audio, features, tokenizer, bucketed batching, validation.
 
-The pieces a training script needs::
+The pieces a training script needs (a recipe with its own dataset and collator builds its loader
+with ``DurationBucketSampler.from_config`` and ``make_loader``, never a DataLoader of its own)::
 
     from ddptrain.data import build_dataloader, load_or_build_tokenizer
 
@@ -12,9 +13,10 @@ The pieces a training script needs::
 
 File map: ``manifest.py`` (JSONL), ``audio.py`` (soundfile + resampling), ``features.py``
 (fbank/log-mel, normalisation, SpecAugment; also the GPU batch path), ``tokenizer.py``
-(characters, blank = 0), ``sampler.py`` (DurationBucketSampler), ``dataset.py`` (index ->
-example, bad-data policy), ``collate.py`` (padding, batch keys), ``loader.py``
-(build_dataloader), ``validate.py`` (checks + ``python -m ddptrain.data.validate``),
+(characters, blank = 0), ``sampler.py`` (DurationBucketSampler; ``from_config``: the one
+translation of the config to batching), ``dataset.py`` (index -> example, bad-data policy),
+``collate.py`` (padding, batch keys), ``loader.py`` (build_dataloader; ``make_loader``: the one
+DataLoader of a config, for recipes with their own dataset and collator), ``validate.py`` (checks + ``python -m ddptrain.data.validate``),
 ``synthetic.py`` (a generated corpus for tests and benchmarks), ``config.py`` (DataConfig);
 ``shards.py`` (tar shards + index: ``python -m ddptrain.data.shards`` writes them; ShardDataset),
 ``shard_sampler.py`` (ShardWindowSampler: batches planned within windows of shards), ``mix.py``
@@ -31,7 +33,7 @@ _EXPORTS = {
     "BadExample": "dataset", "SpeechDataset": "dataset",
     "DataError": "errors", "Problem": "errors",
     "BatchFeatureExtractor": "features", "compute_global_stats": "features", "spec_augment": "features",
-    "build_dataloader": "loader",
+    "build_dataloader": "loader", "make_loader": "loader",
     "ManifestEntry": "manifest", "load_manifest": "manifest", "parse_manifest": "manifest",
     "DurationBucketSampler": "sampler",
     "ShardDataset": "shards", "ShardSet": "shards", "load_shards": "shards", "write_shards": "shards",

@@ -20,9 +20,11 @@ Conventions:
     * normalisation ``utterance`` uses each utterance's own mean/std per mel bin; ``global``
       uses a stats file written by :func:`compute_global_stats`
       (``python -m ddptrain.data.features MANIFEST OUT.json``).
-    * SpecAugment runs only in training mode (``module.train()``), after normalisation, and
-      masks with 0 (the normalised mean). Call ``.eval()`` for evaluation, or make the extractor
-      a submodule of the model so ``model.eval()`` does it for you.
+    * SpecAugment runs only in training mode, after normalisation, and masks with 0 (the
+      normalised mean). In the workers the mode is the loader's (``train=``); on the device
+      (``feature_device: gpu``) a loss function calls :meth:`BatchFeatureExtractor.for_model`,
+      which follows the *model's* mode, so the one extractor of the training loader gives
+      unmasked features whenever the model is evaluated (``Trainer.evaluate`` sets ``eval()``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,7 @@ import torch
 import torchaudio
 from torch import Tensor, nn
 
-from ddptrain.config import check_section
-from ddptrain.data.config import DataConfig
+from ddptrain.data.config import DataConfig, checked
 
 FEATURE_KINDS = ("fbank", "logmel", "whisper_logmel")
 WHISPER_WINDOW_S = 30  # Whisper encoders take 30 s windows: 3000 frames of 10 ms
@@ -77,7 +78,7 @@ class BatchFeatureExtractor(nn.Module):
 
     def __init__(self, cfg: DataConfig):
         super().__init__()
-        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
+        cfg = checked(cfg)  # a DataConfig built in Python gets load_config's checks
         if cfg.features not in FEATURE_KINDS:
             raise ValueError(f"data.features={cfg.features!r}: feature extraction needs one of {FEATURE_KINDS}")
         self.kind = cfg.features
@@ -118,6 +119,19 @@ class BatchFeatureExtractor(nn.Module):
         self.register_buffer("global_mean", mean, persistent=False)
         self.register_buffer("global_std", std, persistent=False)
 
+    def for_model(self, model: nn.Module, batch: dict) -> dict[str, Tensor]:
+        """The ``feature_device: gpu`` path: features of ``batch["audio"]`` (with
+        ``batch["audio_lens"]``) on the audio's device, SpecAugment only while ``model`` is
+        training. Every recipe's loss calls this, so none can mask evaluation features (the bug
+        of an extractor left in the training loader's mode).
+
+        Returns:
+            The dict of :meth:`forward`.
+        """
+        audio = batch["audio"]
+        self.to(audio.device)
+        return self._extract(audio, batch["audio_lens"], None, augment=model.training)
+
     def num_frames(self, num_samples: Tensor) -> Tensor:
         """Frames of an utterance of ``num_samples`` (snip-edges framing; 0 if too short)."""
         n = torch.as_tensor(num_samples)
@@ -128,8 +142,12 @@ class BatchFeatureExtractor(nn.Module):
 
     def forward(self, audio: Tensor, audio_lens: Tensor,
                 generator: Optional[torch.Generator] = None) -> dict[str, Tensor]:
+        return self._extract(audio, audio_lens, generator, augment=self.training)
+
+    def _extract(self, audio: Tensor, audio_lens: Tensor, generator: Optional[torch.Generator],
+                 augment: bool) -> dict[str, Tensor]:
         if self.kind == "whisper_logmel":
-            return self._whisper(audio, audio_lens)
+            return self._whisper(audio, audio_lens, augment)
         audio = audio.float()
         lens = self.num_frames(audio_lens.to(audio.device).long())
         t_max = int(lens.max()) if lens.numel() else 0
@@ -146,7 +164,7 @@ class BatchFeatureExtractor(nn.Module):
         mask = torch.arange(t_pad, device=audio.device)[None, :] >= lens[:, None]  # True = padding
         feats = nn.functional.pad(feats, (0, 0, 0, t_pad - feats.shape[1]))
         feats = self._normalize(feats, lens, mask)
-        if self.training and self.spec_augment:
+        if augment and self.spec_augment:
             feats = spec_augment(feats, lens, self.freq_masks, self.freq_mask_width,
                                  self.time_masks, self.time_mask_ratio, generator)
         feats = feats.masked_fill(mask[:, :, None], 0.0)
@@ -161,7 +179,7 @@ class BatchFeatureExtractor(nn.Module):
         spec = torch.fft.rfft(frames, n=self.n_fft).abs().pow(2)  # (B, M, n_fft//2+1)
         return (spec @ self.mel_banks).clamp_min(_EPS).log()
 
-    def _whisper(self, audio: Tensor, audio_lens: Tensor) -> dict[str, Tensor]:
+    def _whisper(self, audio: Tensor, audio_lens: Tensor, augment: bool) -> dict[str, Tensor]:
         n = self.window_samples
         lens = audio_lens.to(audio.device).long()
         if audio.shape[1] > n:  # only then a look at the lengths (a host sync) is needed
@@ -192,7 +210,7 @@ class BatchFeatureExtractor(nn.Module):
             feats = ((logmel + 4.0) / 4.0).transpose(1, 2)
         frames = self.num_frames(lens)
         mask = torch.arange(feats.shape[1], device=audio.device)[None, :] >= frames[:, None]
-        if self.training and self.spec_augment:
+        if augment and self.spec_augment:
             feats = spec_augment(feats, frames, self.freq_masks, self.freq_mask_width,
                                  self.time_masks, self.time_mask_ratio)
         return {"features": feats.contiguous(), "feature_lens": frames, "padding_mask": mask}

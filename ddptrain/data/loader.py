@@ -17,6 +17,11 @@ Evaluation loaders (``train=False``) never shuffle, never augment and use the ``
 Attributes added to the returned DataLoader: ``validation_report`` (a ``ValidationReport``, or
 ``None`` when validation is off), ``feature_extractor`` (the ``BatchFeatureExtractor`` to run on
 the device for ``feature_device: gpu``, else ``None``), ``data_config``.
+
+:func:`make_loader` is the one place a DataLoader is made from the ``data:`` section; with
+:meth:`DurationBucketSampler.from_config <ddptrain.data.sampler.DurationBucketSampler.from_config>`
+it is what a recipe with its own dataset and collator uses (examples/finetune_glmasr.py,
+finetune_tts.py, finetune_hf_model.py, the benchmarks), so the loaders cannot drift apart.
 """
 
 from __future__ import annotations
@@ -31,15 +36,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddptrain import dist
-from ddptrain.config import check_section
 from ddptrain.data.collate import SpeechCollator
-from ddptrain.data.config import DataConfig
+from ddptrain.data.config import DataConfig, checked
 from ddptrain.data.dataset import SpeechDataset
 from ddptrain.data.errors import DataError
 from ddptrain.data.features import BatchFeatureExtractor
 from ddptrain.data.manifest import ManifestEntry
 from ddptrain.data.mix import SourceCollator, Sources, load_sources, uses_sources
-from ddptrain.data.sampler import DurationBucketSampler
+from ddptrain.data.sampler import DurationBucketSampler, budget_lengths, sampler_settings
 from ddptrain.data.tokenizer import CharTokenizer
 from ddptrain.data.validate import ValidationReport, check_entries, finish_report, read_entries
 
@@ -78,7 +82,7 @@ def build_dataloader(
         DataError: bad manifest lines or shard members under ``bad_data: error`` (all listed),
             no utterance left, or ranks that disagree about the data set.
     """
-    cfg = check_section(data_cfg, "data")  # a DataConfig built in Python gets load_config's checks
+    cfg = checked(data_cfg)  # a DataConfig built in Python gets load_config's checks, once
     world_size = dist.get_world_size() if world_size is None else world_size
     rank = dist.get_rank() if rank is None else rank
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -106,27 +110,12 @@ def build_dataloader(
         _check_same_on_all_ranks("".join(f"{e.id}\t{e.duration:.4f}\n" for e in entries).encode(), len(entries))
         durations = np.array([e.duration for e in entries], dtype=np.float64)
 
-    speeds = [float(s) for s in cfg.speed_perturb] if train else []
-    stretch = 1.0 / min(speeds) if speeds else 1.0
-    settings = dict(
-        max_duration=cfg.max_duration,
-        max_batch_size=cfg.max_batch_size,
-        quadratic_duration=cfg.quadratic_duration,
-        num_buckets=cfg.num_buckets,
-        bucket_budgets=cfg.bucket_budgets if train else None,  # measured for the training data
-        sort_pool=cfg.bucket_sort_pool,
-        sync_buckets=cfg.sync_buckets,
-        shuffle=cfg.shuffle and train,
-        tail=cfg.tail if train else "exact",
-        seed=cfg.seed if seed is None else seed,
-        world_size=world_size,
-        rank=rank,
-    )
+    settings = sampler_settings(cfg, train, world_size, rank, seed)
     if sources is None:
-        sampler = DurationBucketSampler(durations * stretch, **settings)
+        sampler = DurationBucketSampler(budget_lengths(durations, cfg, train), **settings)
         dataset = SpeechDataset(entries, cfg, tokenizer, train)
     else:
-        sampler = sources.sampler(durations * stretch, cfg, train, **settings)
+        sampler = sources.sampler(budget_lengths(durations, cfg, train), cfg, train, **settings)
         dataset = sources.dataset(cfg, tokenizer, train)
     collate = (SourceCollator if sources is not None and sources.names else SpeechCollator)(
         mode="features" if dataset.extractor is not None else "audio",
@@ -134,6 +123,33 @@ def build_dataloader(
         pad_to_multiple=cfg.pad_to_multiple,
         with_tokens=tokenizer is not None,
     )
+    loader = make_loader(dataset, sampler, collate, cfg, train)
+    loader.validation_report = report
+    return loader
+
+
+def make_loader(dataset, sampler, collate, data_cfg: DataConfig, train: bool = True) -> DataLoader:
+    """The DataLoader of a ``data:`` section: ``sampler``'s batches of ``dataset`` through
+    ``collate``, with the section's workers, pinning (CUDA only), persistent workers, prefetch
+    and ``loader_timeout_s`` (a stuck batch is an error, not a hang).
+
+    Args:
+        dataset: index -> example.
+        sampler: a batch sampler (``DurationBucketSampler.from_config``).
+        collate: examples -> batch.
+        data_cfg: the ``data:`` section (checked once: ``ddptrain.data.config.checked``).
+        train: the mode of ``feature_extractor`` (below), as the loader's data are.
+
+    Returns:
+        The DataLoader, with ``data_config`` (the checked section) and ``feature_extractor``:
+        with ``feature_device: gpu`` (and features other than ``raw``) the
+        ``BatchFeatureExtractor`` a loss runs on the device through ``for_model(model, batch)``,
+        which masks only while the model trains; else ``None``.
+
+    Raises:
+        ConfigError: a ``data_cfg`` value outside what ``load_config`` accepts.
+    """
+    cfg = checked(data_cfg)
     workers = max(0, cfg.num_workers)
     loader = DataLoader(
         dataset,
@@ -145,7 +161,6 @@ def build_dataloader(
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         timeout=cfg.loader_timeout_s if workers > 0 else 0,
     )
-    loader.validation_report = report
     loader.data_config = cfg
     loader.feature_extractor = (
         BatchFeatureExtractor(cfg).train(train) if cfg.features != "raw" and cfg.feature_device == "gpu" else None

@@ -96,12 +96,13 @@ import json
 import logging
 import math
 import os
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from ddptrain import dist
+from ddptrain.data.config import checked
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,45 @@ def padded_cost(durations, quadratic_duration: float):
     ``d + d*d/quadratic_duration`` when that is > 0. A batch costs ``size * cost(longest)``."""
     d = durations
     return d + d * d / quadratic_duration if quadratic_duration > 0 else d
+
+
+def speed_stretch(data_cfg, train: bool) -> float:
+    """How much longer speed perturbation can make an utterance: ``1 / min(data.speed_perturb)``
+    for training data, 1 without perturbation and for evaluation (never perturbed)."""
+    speeds = [float(s) for s in data_cfg.speed_perturb] if train else []
+    return 1.0 / min(speeds) if speeds else 1.0
+
+
+def budget_lengths(durations, data_cfg, train: bool = True,
+                   cost: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+    """The lengths the sampler budgets with: each manifest duration at the slowest speed
+    (:func:`speed_stretch`), through the recipe's ``cost`` (seconds -> seconds of
+    ``data.max_duration``, e.g. whole 30 s encoder windows) when it has one."""
+    d = np.asarray(durations, dtype=np.float64) * speed_stretch(data_cfg, train)
+    return d if cost is None else np.asarray(cost(d), dtype=np.float64)
+
+
+def sampler_settings(data_cfg, train: bool = True, world_size: Optional[int] = None, rank: Optional[int] = None,
+                     seed: Optional[int] = None) -> dict:
+    """:class:`DurationBucketSampler`'s keyword arguments for a ``data:`` section: the one
+    translation of the config to batching (the library's loader, the recipes and the benchmarks
+    all use it, through :meth:`DurationBucketSampler.from_config`). Training data get
+    ``data.shuffle``, ``data.tail`` and ``data.bucket_budgets``; evaluation data are not
+    shuffled, use the ``exact`` tail and no budget file (it was measured on the training data)."""
+    return dict(
+        max_duration=data_cfg.max_duration,
+        max_batch_size=data_cfg.max_batch_size,
+        quadratic_duration=data_cfg.quadratic_duration,
+        num_buckets=data_cfg.num_buckets,
+        bucket_budgets=(data_cfg.bucket_budgets or None) if train else None,
+        sort_pool=data_cfg.bucket_sort_pool,
+        sync_buckets=data_cfg.sync_buckets,
+        shuffle=data_cfg.shuffle and train,
+        tail=data_cfg.tail if train else "exact",
+        seed=data_cfg.seed if seed is None else seed,
+        world_size=dist.get_world_size() if world_size is None else world_size,
+        rank=dist.get_rank() if rank is None else rank,
+    )
 
 
 class DurationBucketSampler(Sampler):
@@ -243,6 +283,36 @@ class DurationBucketSampler(Sampler):
         self._position = 0  # batches handed out by the current iteration (runs ahead of training)
         self._plan_cache: Optional[tuple] = None
         self._stats_cache: Optional[tuple] = None
+
+    @classmethod
+    def from_config(cls, durations, data_cfg, train: bool = True, *,
+                    cost: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+                    tokens: Optional[Sequence[float]] = None, max_tokens: float = 0.0,
+                    world_size: Optional[int] = None, rank: Optional[int] = None, seed: Optional[int] = None,
+                    **overrides) -> "DurationBucketSampler":
+        """The sampler of a ``data:`` section (:func:`sampler_settings`), over lengths that
+        allow for speed perturbation (:func:`budget_lengths`).
+
+        Args:
+            durations: seconds per utterance as the manifest has them, or a dataset with a
+                ``durations`` array (``SpeechDataset``).
+            data_cfg: the ``data:`` section (checked here, once: ``ddptrain.data.config.checked``).
+            train: training or evaluation batching (see :func:`sampler_settings`).
+            cost: ``seconds -> seconds`` of ``data.max_duration`` an utterance uses, vectorised
+                (a recipe's own, e.g. whole 30 s windows); default: its seconds.
+            tokens, max_tokens: the second length per utterance and its budget (the class's).
+            world_size, rank: default from ``ddptrain.dist``.
+            seed: default ``data.seed``.
+            **overrides: settings that replace the section's (e.g. a fixed ``max_batch_size``).
+
+        Raises:
+            ConfigError: a ``data_cfg`` value outside what ``load_config`` accepts.
+            ValueError: as the class (an utterance over a budget on its own, ...).
+        """
+        data_cfg = checked(data_cfg)
+        lengths = getattr(durations, "durations", durations)
+        settings = {**sampler_settings(data_cfg, train, world_size, rank, seed), **overrides}
+        return cls(budget_lengths(lengths, data_cfg, train, cost), tokens=tokens, max_tokens=max_tokens, **settings)
 
     # ------------------------------------------------------------------ buckets
     def _make_buckets(self) -> tuple[list[np.ndarray], list[int]]:
