@@ -17,8 +17,9 @@ Checks, per line (the reason strings start with these words, so reports can be g
   repeated tokens, and the model emits ``duration * output_frame_rate`` frames (at the fastest
   speed perturbation, which makes the utterance shortest);
 * ``shorter than one feature frame``;
-* ``too long``: the utterance alone exceeds the batch budget ``max_duration`` (at the slowest
-  speed perturbation, with ``quadratic_duration``) or ``max_utterance_duration``.
+* ``too long``: the utterance alone exceeds the batch budget ``max_duration`` as the sampler
+  counts it (at the slowest speed perturbation, through a recipe's cost function, with
+  ``quadratic_duration``: :func:`budget_problems`) or ``max_utterance_duration``.
 
 The header check is cheap (it reads a few bytes per file, in threads); ``decode`` reads every
 file in full, which finds corrupt bodies but costs minutes per thousand hours of audio.
@@ -243,9 +244,14 @@ def keep_good(entries: Sequence[Located], problems: Sequence[Problem], policy: s
 
 
 def check_entries(entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, decode: bool = False,
-                  num_threads: int = 8) -> list[Problem]:
-    """All problems of ``entries`` (text checks here, audio checks in a thread pool)."""
-    problems = [p for e in entries for p in _text_problems(e, cfg, tokenizer)]
+                  num_threads: int = 8, cost: Optional[Callable[[np.ndarray], np.ndarray]] = None,
+                  cost_unit: str = "") -> list[Problem]:
+    """All problems of ``entries`` (text checks here, audio checks in a thread pool); ``cost``
+    and ``cost_unit`` as for :func:`budget_problems` (a recipe's batch cost, so the budget is
+    checked here, as its sampler counts it, not again by the recipe)."""
+    problems = budget_problems(entries, [e.duration for e in entries], cfg, cost, cost_unit)
+    over = {(p.source, p.line, p.id) for p in problems}
+    problems += [p for e in entries for p in _text_problems(e, cfg, tokenizer, (e.source, e.line, e.id) in over)]
     with ThreadPoolExecutor(max(1, num_threads)) as pool:
         for e, reason in zip(entries, pool.map(lambda e: _audio_problem(e, cfg, decode), entries, chunksize=64)):
             if reason:
@@ -253,22 +259,50 @@ def check_entries(entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=N
     return problems
 
 
+def budget_problems(entries: Sequence[Located], seconds: Sequence[float], cfg: DataConfig,
+                    cost: Optional[Callable[[np.ndarray], np.ndarray]] = None, cost_unit: str = "") -> list[Problem]:
+    """A ``too long`` problem for each entry that does not fit in a batch of ``data.max_duration``
+    on its own, counted as ``DurationBucketSampler.from_config`` counts it (which refuses such an
+    utterance by index only): its seconds at the slowest speed perturbation, through ``cost``,
+    with ``quadratic_duration``.
+
+    Args:
+        entries: what the problems name (``.source``, ``.line``, ``.id``).
+        seconds: each entry's audio seconds.
+        cfg: the data section.
+        cost: a recipe's ``seconds -> seconds of data.max_duration``, vectorised (the sampler's
+            ``cost``, e.g. whole 30 s encoder windows); default: the seconds.
+        cost_unit: what the counted seconds are, in the message ("of 30 s encoder windows").
+    """
+    if not len(entries):
+        return []
+    slow = _speed_range(cfg)[0]
+    at = np.asarray(seconds, dtype=np.float64) / slow  # speed 0.9: 11% longer
+    used = padded_cost(at if cost is None else np.asarray(cost(at), dtype=np.float64), cfg.quadratic_duration)
+    out = []
+    for e, d, a, c in zip(entries, seconds, at, used):
+        if c > cfg.max_duration:
+            speed = f" at speed {slow}" if slow != 1.0 else ""
+            counted = f" = {c:.4g}s" if c != a else ""
+            unit = f" {cost_unit}" if cost_unit else ""
+            out.append(Problem(e.source, e.line, e.id, f"too long: {d:.2f}s{speed}{counted}{unit} does not fit in "
+                               f"a batch of data.max_duration={cfg.max_duration}s"))
+    return out
+
+
 def _speed_range(cfg: DataConfig) -> tuple[float, float]:
     speeds = [float(s) for s in cfg.speed_perturb] or [1.0]
     return min(speeds), max(speeds)
 
 
-def _text_problems(e: ManifestEntry, cfg: DataConfig, tokenizer) -> list[Problem]:
+def _text_problems(e: ManifestEntry, cfg: DataConfig, tokenizer, over_budget: bool) -> list[Problem]:
     out = []
 
     def bad(reason):
         out.append(Problem(e.source, e.line, e.id, reason))
 
-    slow, fast = _speed_range(cfg)
-    if padded_cost(e.duration / slow, cfg.quadratic_duration) > cfg.max_duration:  # speed 0.9: 11% longer
-        extra = f" at speed {slow}" if slow != 1.0 else ""
-        bad(f"too long: {e.duration:.2f}s{extra} does not fit in a batch of max_duration={cfg.max_duration}s")
-    elif cfg.max_utterance_duration > 0 and e.duration > cfg.max_utterance_duration:
+    fast = _speed_range(cfg)[1]
+    if not over_budget and cfg.max_utterance_duration > 0 and e.duration > cfg.max_utterance_duration:
         bad(f"too long: {e.duration:.2f}s > max_utterance_duration={cfg.max_utterance_duration}s")
     if cfg.features != "raw" and e.duration < cfg.frame_length_ms / 1000:
         bad(f"shorter than one feature frame: {e.duration * 1000:.1f} ms < {cfg.frame_length_ms} ms")
