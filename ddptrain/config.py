@@ -237,6 +237,16 @@ def not_empty() -> Rule:
     return Rule("not empty", check)
 
 
+def satisfies(text: str, ok: Callable[[Any], bool], why: str) -> Rule:
+    """A rule from a predicate (a recipe's own): ``text`` documents it, ``why`` follows
+    ``key=value`` in the error ("must contain {audio} exactly once")."""
+    def check(v):
+        if not ok(v):
+            raise _Bad(why)
+        return v
+    return Rule(text, check)
+
+
 def keyword_or_path(*keywords: str) -> Rule:
     """One of ``keywords`` (any case, stored lower-case; "" is the first) or else a path (as given)."""
     def check(v):
@@ -444,6 +454,24 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
 ]
 
 
+def schema_rules(schema: type) -> tuple[list[dict[str, Rule]], list[tuple]]:
+    """The tables a config class is checked against: :data:`RULES` and the multi-key rules, then
+    the class's own (a recipe's), declared beside its sections as ``RESUME_REFUSED`` is::
+
+        @dataclass
+        class RecipeConfig(ddptrain.Config):
+            tts: TTSConfig = field(default_factory=TTSConfig)
+            RULES: ClassVar[dict[str, Rule]] = {"tts.num_samples": at_least(0)}
+            RULES_TOGETHER: ClassVar[list] = [(("tts.path", "tts.preset"), ok, "what is wrong")]
+
+    A recipe's rule for a library key (``data.features``) applies after the library's.
+
+    Returns:
+        ``([RULES, the class's RULES], _TOGETHER + the class's RULES_TOGETHER)``.
+    """
+    return [RULES, dict(getattr(schema, "RULES", {}))], _TOGETHER + list(getattr(schema, "RULES_TOGETHER", []))
+
+
 def check_section(section: Any, name: str) -> Any:
     """Check one config section built in Python (e.g. a ``DataConfig(...)`` handed straight to
     a data class) against the same table as :func:`load_config`.
@@ -475,12 +503,17 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
         where = origins.get(key)
         raise ConfigError(f"{where + ': ' if where else ''}{why}")
 
+    tables, together = schema_rules(Config if isinstance(root, dict) else type(root))
+    mine = [k for k in [*tables[1], *(k for keys, _, _ in together[len(_TOGETHER):] for k in keys)]
+            if holder_of(k)[0] is None]
+    if mine:  # a misspelt key would silently never be checked
+        raise ConfigError(f"{type(root).__name__}.RULES names keys the config does not have: {', '.join(mine)}")
     changed: dict[str, dict[str, Any]] = {}
-    for key, rule in RULES.items():
+    for key, rule in [kv for table in tables for kv in table.items()]:
         obj, leaf = holder_of(key)
         if obj is None:
             continue
-        value = getattr(obj, leaf)
+        value = changed.get(key.split(".", 1)[0], {}).get(leaf, getattr(obj, leaf))
         try:
             canonical = rule.check(value)
         except _Bad as e:
@@ -493,7 +526,7 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
             root[section] = dataclasses.replace(root[section], **values)
         else:
             setattr(root, section, dataclasses.replace(getattr(root, section), **values))
-    for keys, ok, why in _TOGETHER:
+    for keys, ok, why in together:
         found = [holder_of(k) for k in keys]
         if any(obj is None for obj, _ in found):
             continue
@@ -589,6 +622,7 @@ def reference_markdown(schema: type = Config) -> str:
     import re
 
     rows = ["| key | default | accepts | meaning |", "| --- | --- | --- | --- |"]
+    rules = {**schema_rules(schema)[0][1], **RULES}  # a library key keeps the library's text
 
     def walk(cls, prefix):
         comments = {}
@@ -601,7 +635,7 @@ def reference_markdown(schema: type = Config) -> str:
             if dataclasses.is_dataclass(default):
                 walk(type(default), f"{prefix}{f.name}.")
             else:
-                rule = RULES.get(f"{prefix}{f.name}", ANY).text.replace("|", "\\|")
+                rule = rules.get(f"{prefix}{f.name}", ANY).text.replace("|", "\\|")
                 rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {rule} | {comments.get(f.name, '')} |")
 
     walk(schema, "")

@@ -238,3 +238,55 @@ def test_shipped_configs_load(name, monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(root, "examples"))
     schema = importlib.import_module("finetune_asr").ASRConfig
     load_config(os.path.join(root, "configs", name), schema=schema)
+
+
+# ------------------------------------------------------------------ a recipe's rules, in the one table
+
+
+@dataclass
+class _Toy:
+    n: int = 1
+    name: str = "a{x}"
+
+
+def _toy_schema(rules=None, together=None):
+    from typing import ClassVar
+
+    @dataclass
+    class ToyRecipe(ddptrain.Config):
+        toy: _Toy = field(default_factory=_Toy)
+        RULES: ClassVar[dict] = rules or {}
+        RULES_TOGETHER: ClassVar[list] = together or []
+
+    return ToyRecipe
+
+
+def test_a_recipes_rules_are_checked_at_load_naming_key_and_origin():
+    from ddptrain.config import at_least, one_of, reference_markdown, satisfies
+
+    schema = _toy_schema(
+        {"toy.n": at_least(1), "toy.name": satisfies("holds {x} once", lambda v: v.count("{x}") == 1,
+                                                     "must contain {x} exactly once"),
+         "data.features": one_of("logmel", "fbank")},  # a library key: the library's rule first, then the recipe's
+        [(("toy.n", "data.max_batch_size"), lambda n, b: b == 0 or n <= b, "toy.n must not exceed data.max_batch_size")])
+    assert load_config(None, ["toy.n=3"], schema=schema).toy.n == 3
+    with pytest.raises(ConfigError, match=r"override 'toy.n=0': toy.n=0 must be >= 1"):
+        load_config(None, ["toy.n=0"], schema=schema)
+    with pytest.raises(ConfigError, match=r"toy.name='b' must contain \{x\} exactly once"):
+        load_config(None, ["toy.name=b"], schema=schema)
+    with pytest.raises(ConfigError, match=r"data.features='raw' is not one of logmel, fbank"):
+        load_config(None, ["data.features=raw"], schema=schema)
+    assert load_config(None, ["data.features=LOGMEL"], schema=schema).data.features == "logmel"  # canonical first
+    with pytest.raises(ConfigError, match="toy.n must not exceed data.max_batch_size"):
+        load_config(None, ["toy.n=3", "data.max_batch_size=2"], schema=schema)
+    assert "| `toy.name` | `'a{x}'` | holds {x} once |" in reference_markdown(schema)
+    assert load_config(None, ["data.features=raw"]).data.features == "raw"  # the library's schema: not the recipe's rules
+
+
+def test_a_recipe_rule_for_a_key_the_config_lacks_is_an_error():
+    from ddptrain.config import at_least
+
+    with pytest.raises(ConfigError, match=r"ToyRecipe.RULES names keys the config does not have: toy.m"):
+        load_config(None, schema=_toy_schema({"toy.m": at_least(1)}))
+    with pytest.raises(ConfigError, match=r"names keys the config does not have: toy.k"):
+        load_config(None, schema=_toy_schema(together=[(("toy.k",), lambda k: True, "")]))
