@@ -10,6 +10,7 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
         config.yaml           the config the checkpoint was saved under
         folders.json          fingerprints of a recipe's model folders (RESUME_FOLDERS; ddptrain/resume.py)
         meta.json             step, epoch, world size, run id, eval metrics, time
+        SHA256SUMS            the SHA-256 of every file above (`sha256sum -c SHA256SUMS` checks them)
         COMPLETE              written last; a folder without it is never loaded
 
 What goes in is decided by the caller, which hands :func:`save` / :func:`load` dicts of stateful
@@ -26,6 +27,14 @@ write succeeded; then rank 0 writes the marker, fsyncs and renames the folder to
 A crash at any point leaves either the previous checkpoints untouched plus a stale ``.tmp-``
 folder (ignored, removed next save), or a complete new checkpoint. Every checkpoint names the
 run that wrote it (``run_id``): a run never overwrites or prunes another run's checkpoints.
+
+Integrity: a complete folder can still be damaged later (a disk error, a copy cut short or
+altered in place). Each rank hashes the files it wrote and rank 0 writes them to ``SHA256SUMS``
+before the marker; every file is checked against it before it is read (:func:`ensure_intact`;
+once per process while unchanged). ``resume: auto`` takes the newest checkpoint whose files all
+check out (:func:`newest_intact`, saying why it skipped newer ones), and pruning always keeps it.
+A checkpoint saved before checksums existed has no ``SHA256SUMS``: it loads as before, unverified
+(the resume says so), and counts as intact.
 """
 
 from __future__ import annotations
@@ -43,14 +52,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ddptrain import dist
-from ddptrain.checkpoint_files import (COMPLETE, HEADER_BASE_FINGERPRINT, HEADER_BASE_MODEL, HEADER_LORA_SCALINGS,
-                                       HEADER_TRAINABLE_ONLY, STEP_DIR, CheckpointError, checkpoint_root,
-                                       find_latest, list_complete, resolve_base, weights_file, weights_info)
+from ddptrain.checkpoint_files import (CHECKSUMS, COMPLETE, HEADER_BASE_FINGERPRINT, HEADER_BASE_MODEL,
+                                       HEADER_LORA_SCALINGS, HEADER_TRAINABLE_ONLY, STEP_DIR, CheckpointError,
+                                       checkpoint_root, damage, ensure_intact, find_latest, list_complete,
+                                       mark_intact, read_checksums, resolve_base, sha256_files, weights_file,
+                                       weights_info)
 from ddptrain.loading import load_pretrained
 from ddptrain.lora import add_adapters, lora_scalings
 
 # the read-only half of the layout lives in checkpoint_files.py; its names are this module's too
-__all__ = ["CheckpointError", "COMPLETE", "checkpoint_root", "list_complete", "find_latest", "check_writable",
+__all__ = ["CheckpointError", "COMPLETE", "CHECKSUMS", "checkpoint_root", "list_complete", "find_latest",
+           "newest_intact", "damage", "ensure_intact", "check_writable",
            "unwrap", "save_weights", "weights_file", "read_weights", "trainable_keys", "base_fingerprint",
            "weights_to_save", "weights_info", "resolve_base", "resume_keys", "load_weights", "apply_weights",
            "save", "read_meta", "resolve", "load", "prune"]
@@ -120,6 +132,7 @@ def read_weights(path: str) -> tuple[str, dict]:
         CheckpointError: file missing or unreadable.
     """
     path = weights_file(path)
+    ensure_intact(path)
     try:
         return path, load_file(path)
     except Exception as e:
@@ -329,24 +342,31 @@ def save(
     if dist.any_rank(error is not None, device):
         raise CheckpointError(f"cannot create checkpoint folder {tmp}: {error}")
 
+    written: list[str] = []
+    sums: dict[str, str] = {}
     try:
         for key, obj in per_rank.items():
             if obj is not None:
                 state = obj.state_dict()
-                _fsync_write(os.path.join(tmp, f"{key}_rank{rank}.pt"), lambda f: torch.save(state, f))
+                written.append(f"{key}_rank{rank}.pt")
+                _fsync_write(os.path.join(tmp, written[-1]), lambda f: torch.save(state, f))
         if rank == 0:
             save_weights(weights, os.path.join(tmp, "model.safetensors"), weights_metadata)
             state = {key: obj.state_dict() for key, obj in shared.items()}
             _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(state, f))
             for fname, text in (files or {}).items():
                 _fsync_write(os.path.join(tmp, fname), lambda f: f.write(text.encode()))
+            written += ["model.safetensors", "trainer.pt", *(files or {})]
+        # hashed from the files (page cache), not the memory: the sums say what reached the file system
+        sums = {os.path.basename(p): d for p, d in sha256_files([os.path.join(tmp, n) for n in written]).items()}
     except Exception as e:  # disk full, permissions, ...: agree on failure below
         error = repr(e)
         try:  # torch.save reports a full disk as "unexpected pos ...": say how much space was left
             error += f", {shutil.disk_usage(tmp).free / 2**20:.0f} MiB free on that disk"
         except OSError:
             pass
-    failed = dist.all_gather_object(error)
+    gathered = dist.all_gather_object((error, sums))
+    failed = [e for e, _ in gathered]
     if any(failed):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -358,7 +378,12 @@ def save(
             meta = dict(meta, step=step, world_size=dist.get_world_size(),
                         per_rank=sorted(k for k, v in per_rank.items() if v is not None),
                         saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
-            _fsync_write(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            text = json.dumps(meta, indent=1).encode()
+            _fsync_write(os.path.join(tmp, "meta.json"), lambda f: f.write(text))
+            every = {name: d for _, part in gathered for name, d in part.items()}
+            every["meta.json"] = hashlib.sha256(text).hexdigest()
+            listing = "".join(f"{d}  {name}\n" for name, d in sorted(every.items())).encode()
+            _fsync_write(os.path.join(tmp, CHECKSUMS), lambda f: f.write(listing))
             _fsync_write(os.path.join(tmp, COMPLETE), lambda f: f.write(b"ok\n"))
             _fsync_dir(tmp)
             if os.path.exists(final):  # this run saved this step before (a periodic save, then the end)
@@ -370,6 +395,7 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
     if dist.any_rank(error is not None, device):
         raise CheckpointError(f"finalising checkpoint {final} failed: {error}")
+    mark_intact(final, [name for _, part in gathered for name in part] + ["meta.json"])  # hashed just now
     return final
 
 
@@ -400,19 +426,57 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def resolve(path: str) -> str:
-    """A checkpoint to resume from: ``path`` itself, or the newest complete checkpoint of a run
-    folder or checkpoints folder (said so by the caller's log line).
+def resolve(path: str, say=print) -> str:
+    """A checkpoint to resume from: ``path`` itself, or the newest intact checkpoint of a run
+    folder or checkpoints folder (said so by the caller's log line), its files checked.
 
     Raises:
-        CheckpointError: see :func:`read_meta`.
+        CheckpointError: see :func:`read_meta`; a checkpoint whose files are not the ones saved
+            (the message names them and the intact checkpoints before it).
     """
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, COMPLETE)):
-        latest = find_latest(path) or find_latest(checkpoint_root(path))
-        if latest:
-            return latest
+        root = path if list_complete(path) else checkpoint_root(path)
+        if list_complete(root):
+            return newest_intact(root, say)
     read_meta(path)
+    why = damage(path)
+    if why:
+        older = [p for s, p in list_complete(os.path.dirname(os.path.normpath(path)))
+                 if p != os.path.normpath(path) and not damage(p)]
+        raise CheckpointError(f"checkpoint {path} is damaged: {why}. Resume from an intact one"
+                              + (f" (the newest: {older[-1]})" if older else " (there is none before it)"))
     return path
+
+
+def newest_intact(root: str, say=print, run_id: Optional[str] = None) -> Optional[str]:
+    """The newest complete checkpoint under ``root`` whose files match its checksums (None when
+    there is no complete one); each newer, damaged one is named through ``say`` with what is wrong.
+
+    Args:
+        run_id: only this run's checkpoints (pruning); None: any.
+
+    Raises:
+        CheckpointError: complete checkpoints exist and every one is damaged.
+    """
+    found = [p for _, p in list_complete(root) if run_id is None or _run_id_of(p) == run_id]
+    skipped = []
+    for path in reversed(found):
+        why = damage(path)
+        if not why:
+            if skipped:
+                say(f"checkpoint {skipped[-1][0]} is damaged ({skipped[-1][1]}); using {path}, the newest intact one"
+                    if len(skipped) == 1 else f"{len(skipped)} newer checkpoints are damaged ("
+                    + "; ".join(f"{os.path.basename(p)}: {w}" for p, w in skipped) + f"); using {path}")
+            if read_checksums(path) is None:
+                say(f"checkpoint {path} has no {CHECKSUMS} (saved before ddptrain checked its files): "
+                    "it is used without verifying them")
+            return path
+        skipped.append((path, why))
+    if skipped:
+        raise CheckpointError(f"every complete checkpoint in {root} is damaged: "
+                              + "; ".join(f"{os.path.basename(p)}: {w}" for p, w in skipped)
+                              + ". Restore them from a copy, or start a new run (checkpoint.resume=none)")
+    return None
 
 
 class _LazyRankStates:
@@ -447,6 +511,7 @@ def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) ->
             that does not fit its object (the message names it); another world size with a
             per-rank state that cannot move.
     """
+    ensure_intact(os.path.join(path, "meta.json"))
     meta = read_meta(path)
     old_world = int(meta["world_size"])
     saved_per_rank = set(meta.get("per_rank", []))
@@ -487,6 +552,7 @@ def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) ->
 
 
 def _torch_load(path: str):
+    ensure_intact(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:
@@ -505,9 +571,10 @@ def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str, run
     """Delete this run's checkpoints outside keep-last-k and keep-best-k (rank 0 only).
 
     Only checkpoints whose meta.json names ``run_id`` are candidates: another run's checkpoints
-    are never deleted. The newest complete checkpoint is never deleted, whatever the settings: it
-    is the one a restart resumes from. A checkpoint that cannot be deleted is warned about and
-    left (the new checkpoint is already safe; training goes on).
+    are never deleted. The newest complete checkpoint and the newest intact one (its files match
+    its checksums: :func:`newest_intact`) are never deleted, whatever the settings: a restart
+    resumes from the one, or from the other if the one turns out damaged. A checkpoint that cannot
+    be deleted is warned about and left (the new checkpoint is already safe; training goes on).
 
     Returns:
         The deleted paths.
@@ -517,6 +584,10 @@ def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str, run
         return []
     keep = {p for _, p in found[-keep_last:]}
     keep.add(found[-1][1])
+    try:  # the checkpoint just saved was hashed as it was written: usually no file is read here
+        keep.add(newest_intact(root, lambda _: None, run_id))
+    except CheckpointError:
+        pass  # none is intact: keep_last decides alone
     if keep_best > 0:
         scored = []
         for _, p in found:

@@ -31,8 +31,8 @@ from typing import Any, Optional
 import torch
 
 from ddptrain import dist
-from ddptrain.checkpoint import (CheckpointError, check_writable, checkpoint_root, find_latest,
-                                 list_complete, resolve)
+from ddptrain.checkpoint import (CheckpointError, check_writable, checkpoint_root, list_complete, mark_intact,
+                                 newest_intact, read_checksums, resolve)
 
 LOCK = ".lock"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml")
@@ -97,7 +97,9 @@ def open_run(cfg: Any, is_main: bool, device: torch.device) -> tuple[Optional[Fo
         try:
             lock = FolderLock(out)
             want = c.resume
-            path = None if want in ("", "none") else find_latest(checkpoint_root(out)) if want == "auto" else resolve(want)
+            # the newest checkpoint whose files match their checksums (a damaged newer one is named)
+            path = None if want in ("", "none") else newest_intact(checkpoint_root(out)) if want == "auto" \
+                else resolve(want)
             archived, run_id = claim(out, path, c.start_over)
             if archived:
                 print(f"checkpoint.start_over: moved the previous run's files to {archived}")
@@ -109,6 +111,8 @@ def open_run(cfg: Any, is_main: bool, device: torch.device) -> tuple[Optional[Fo
     decision = dist.broadcast_object(decision)
     if isinstance(decision, str):
         raise CheckpointError(decision)
+    if decision[0] and not is_main:  # rank 0 has hashed its files: the others need not again
+        mark_intact(decision[0], read_checksums(decision[0]) or ())
     return (lock, *decision)
 
 

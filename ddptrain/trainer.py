@@ -26,7 +26,7 @@ from torch import nn
 
 from ddptrain import checkpoint as ckpt
 from ddptrain import dist, resume, runfolder
-from ddptrain import preflight
+from ddptrain import offload, preflight
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
@@ -115,7 +115,10 @@ class Trainer:
             if self.info.distributed:
                 dist.broadcast_module(model)  # the masters are made here: same start on every rank
             sharded = cfg.optim.zero and self.info.world_size > 1  # each rank: its own partition's masters
-            self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
+            if cfg.optim.offload == "cpu":  # each rank's partition of masters on the host, updated there
+                self.master = offload.prepare(model, cfg.optim.offload_chunk_mb, self.device)
+            else:
+                self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
         self.module = model
         self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
         if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then

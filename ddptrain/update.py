@@ -40,6 +40,7 @@ class StepUpdate:
         # before the host has read whether it was finite, and the GPU does not idle while the
         # host launches it. fp16 keeps GradScaler's skip, other optimizers decide on the host.
         self.on_device = precision.mode != "fp16" and skips_on_device(optimizer)
+        self.offloaded = getattr(master, "offloaded", False)  # ddptrain/offload.py steps on the host
 
     def __call__(self, loss_sum: torch.Tensor, units_dev: torch.Tensor, units_host: float,
                  negative: torch.Tensor, preempt: bool, unit_scale: float) -> dict:
@@ -75,7 +76,14 @@ class StepUpdate:
         if self.clip > 0:
             factor = factor * torch.where(norm_t > self.clip, self.clip / (norm_t + 1e-6), 1.0)
         report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), negative_t, factor])
-        if self.on_device:
+        if self.offloaded:
+            # the host updates the masters: it needs the verdict and the factor anyway, and a
+            # non-finite step is skipped before a gradient leaves the GPU
+            loss, units, stop, norm, finite, negative, factor = report.tolist()
+            stepped = finite > 0
+            if stepped:
+                self.master.step(self.optimizer, factor)
+        elif self.on_device:
             # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
             # finite), so no separate multiply runs over the gradients
             self._scale_grads(grads, None)

@@ -129,3 +129,72 @@ def test_keep_best_by_a_metric_the_run_never_logs_is_refused(tmp_path):
     cfg = make_cfg(tmp_path / "b", "trainer.max_steps=2", "checkpoint.keep_best=1")
     with pytest.raises(ddptrain.ConfigError, match="no eval_data"):
         ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data)
+
+
+# ----------------------------------------------------------------------------- checksums (issue 30, item 1)
+
+
+def _corrupt_in_place(path):
+    """Flip the last byte (tensor data, not the header): same size, still a valid safetensors file."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def _run(tmp, *extra):
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp, "trainer.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0", *extra)
+    return ddptrain.Trainer(FrameMLP(), frame_loss, cfg, micro_batches(2)[0])
+
+
+def test_every_checkpoint_file_has_a_checksum_sha256sum_can_check(tmp_path):
+    import hashlib
+
+    _run(tmp_path).fit()
+    step = tmp_path / "checkpoints" / "step_00000004"
+    lines = (step / ckpt.CHECKSUMS).read_text().splitlines()
+    sums = dict(reversed(line.split("  ", 1)) for line in lines)  # `sha256sum -c SHA256SUMS` format
+    assert {"model.safetensors", "trainer.pt", "rng_rank0.pt", "sampler_rank0.pt", "config.yaml",
+            "meta.json"} <= set(sums)
+    for name, digest in sums.items():
+        assert hashlib.sha256((step / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_a_checkpoint_corrupted_in_place_is_refused_and_auto_resume_falls_back(tmp_path, capsys):
+    _run(tmp_path).fit()
+    root = tmp_path / "checkpoints"
+    _corrupt_in_place(root / "step_00000004" / "model.safetensors")
+    with pytest.raises(ckpt.CheckpointError, match=r"step_00000004.*model.safetensors.*changed after it was saved"):
+        ckpt.load_weights(FrameMLP(), str(root / "step_00000004"))
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors.*changed after it was saved.*step_00000002"):
+        _run(tmp_path / "b", f"checkpoint.resume={root / 'step_00000004'}")  # asked for by path: refused
+    capsys.readouterr()
+    t = _run(tmp_path, "checkpoint.resume=auto", "trainer.max_steps=6")
+    assert t.step == 2  # the newest checkpoint whose files are the ones saved
+    said = capsys.readouterr().out
+    assert "step_00000004" in said and "model.safetensors" in said and "resumed from" in said
+    t.close()
+
+
+def test_pruning_never_deletes_the_newest_intact_checkpoint(tmp_path):
+    _run(tmp_path).fit()
+    root = tmp_path / "checkpoints"
+    _corrupt_in_place(root / "step_00000004" / "trainer.pt")
+    run_id = ckpt.read_meta(str(root / "step_00000004"))["run_id"]
+    ckpt.prune(str(root), keep_last=1, keep_best=0, metric="loss", mode="min", run_id=run_id)
+    assert sorted(os.listdir(root)) == ["step_00000002", "step_00000004"]
+
+
+def test_checkpoints_saved_without_checksums_still_load_and_say_so(tmp_path, capsys):
+    _run(tmp_path).fit()
+    for step in (tmp_path / "checkpoints").iterdir():
+        (step / ckpt.CHECKSUMS).unlink()  # as an older ddptrain wrote them
+    ckpt.load_weights(FrameMLP(), str(tmp_path))
+    capsys.readouterr()
+    t = _run(tmp_path, "checkpoint.resume=auto", "trainer.max_steps=6")
+    assert t.step == 4
+    assert f"no {ckpt.CHECKSUMS}" in capsys.readouterr().out
+    t.fit()
+    assert (tmp_path / "checkpoints" / "step_00000006" / ckpt.CHECKSUMS).exists()
