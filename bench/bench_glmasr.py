@@ -20,6 +20,8 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   column would give them: the HF Trainer's own bucketing, so its decoder is padded less.
 * ``hf_ds2``: the same under DeepSpeed ZeRO-2 (a config without an ``optimizer`` block, so the
   HF Trainer's torch AdamW is used and no DeepSpeed op is compiled).
+* ``hf_ds2_offload``: ZeRO-2 with ``offload_optimizer: cpu`` (DeepSpeedCPUAdam) and gradient
+  checkpointing: what users run on 24 GB cards.
 * ``bare``: a plain loop over the same HF forward and batches: autocast bf16, fused AdamW, clip 1.0,
   ``loss.item()`` every 10 steps.
 * ``ddptrain``: examples/finetune_glmasr.py's model and data under ddptrain.Trainer with
@@ -30,6 +32,10 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   to the batch (``glmasr.encoder_length=batch``; the compiled one over a single bucket so every
   batch holds 16); ``ddptrain_best``: bf16 + compiled with ``compile.dynamic=true`` from the
   start; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
+* ``ddptrain_offload``: bf16 weights, layers compiled and recomputed, ``optim.offload=cpu`` (the
+  masters and AdamW on the host); ``ddptrain_offload_eager`` without the compile.
+* ``--gpu-memory-gb G``: every peer capped at G GiB (ddptrain's ``trainer.gpu_memory_gb``, the
+  same allocator fraction for the others); the rows carry ``gpu_memory_gb``.
 * ``data``: the loader alone, batches per second (is a peer data-bound?).
 * any peer + ``_flash`` (e.g. ``hf_flash``, ``ddptrain_bf16_compile_flash``): its forwards inside
   ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION])``. Under ddptrain's compiled layers this
@@ -105,7 +111,11 @@ OVERRIDES["ddptrain_cut"] = ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_cut"] = OVERRIDES["ddptrain_best"] + ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
     "recompute.enabled=true", "recompute.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"]
-HF_PEERS = ("hf", "hf_compile", "hf_ds2", "hf_grouped", "hf_compile_grouped", "bare")
+# on a small card: bf16 weights, fp32 masters and AdamW on the host, every layer recomputed
+RECOMPUTE = ["recompute.enabled=true", "recompute.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"]
+OVERRIDES["ddptrain_offload"] = BF16 + COMPILE + RECOMPUTE + ["optim.offload=cpu"]
+OVERRIDES["ddptrain_offload_eager"] = BF16 + RECOMPUTE + ["optim.offload=cpu"]
+HF_PEERS = ("hf", "hf_compile", "hf_ds2", "hf_ds2_offload", "hf_grouped", "hf_compile_grouped", "bare")
 
 
 # ------------------------------------------------------------------------------------ FLOPs
@@ -221,7 +231,8 @@ def run_ddptrain(args) -> dict:
     # reduce-overhead, a graph per input shape); bench.cg_encoder=true: the audio encoder
     cg = [o.split("=", 1)[1].split("+") for o in ov if o.startswith("bench.cudagraphs=")]
     cg = (cg[0] if cg else []) + (["GlmAsrEncoder"] if "bench.cg_encoder=true" in ov else [])
-    cfg = recipe_cfg(args, [o for o in ov if not o.startswith("bench.")])
+    cap = [f"trainer.gpu_memory_gb={args.gpu_memory_gb}"] if args.gpu_memory_gb else []
+    cfg = recipe_cfg(args, [o for o in ov if not o.startswith("bench.")] + cap)
     for o in ov:  # bench.compile_mode=M: the regional compile in a mode the config refuses (reduce-overhead)
         if o.startswith("bench.compile_mode="):
             cfg.compile.mode = o.split("=", 1)[1]
@@ -415,6 +426,18 @@ def run_hf(args) -> dict:
                                   "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
             "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
             "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    if args.base == "hf_ds2_offload":
+        # what users run on 24 GB cards: ZeRO-2, the optimizer on the CPU (DeepSpeedCPUAdam, built
+        # by DeepSpeed's JIT at the first run), gradient checkpointing
+        extra_args["gradient_checkpointing"] = True
+        extra_args["deepspeed"] = {
+            "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": 2e8, "allgather_bucket_size": 2e8,
+                                  "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     targs = TrainingArguments(
         output_dir=f"{args.tmp}/{args.peer}", per_device_train_batch_size=args.batch, bf16=torch.cuda.is_available(),
         max_steps=w + n, learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, logging_steps=100000,
@@ -430,6 +453,12 @@ def run_hf(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------ results
+
+
+def cap_gpu_memory(gib: float) -> None:
+    """The caching allocator's cap for peers that are not ddptrain (which uses trainer.gpu_memory_gb)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
 
 
 def reset_peak():
@@ -451,6 +480,7 @@ def summarize(args, elapsed: float, stats: list, extra: dict) -> dict:
         "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
         "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
         "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+        "gpu_memory_gb": args.gpu_memory_gb or None,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__, **extra,
     }
@@ -519,12 +549,16 @@ def main(argv=None) -> int:
     p.add_argument("--hf-compile-timeout", type=float, default=200.0, help="seconds for hf_compile (whole-model compile)")
     p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=[a,b]: a ddptrain peer with these overrides")
     p.add_argument("--profile", action="store_true", help="ddptrain peers: also profile 2 steps (kernel times)")
+    p.add_argument("--gpu-memory-gb", type=float, default=0.0,
+                   help="cap every peer's GPU memory to this many GiB (a small card on a big GPU)")
     p.add_argument("--peer", help=argparse.SUPPRESS)  # internal: run one peer in this process
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--tmp", default="")
     args = p.parse_args(argv)
     if args.peer:
         args.ov = [o for o in args.ov]
+        if args.gpu_memory_gb and torch.cuda.is_available() and not base_peer(args.peer).startswith("ddptrain"):
+            cap_gpu_memory(args.gpu_memory_gb)  # ddptrain peers cap themselves: trainer.gpu_memory_gb
         row = run_one(args)
         with open(args.row, "w") as f:
             json.dump(row, f)
@@ -539,26 +573,27 @@ def main(argv=None) -> int:
             row_file = os.path.join(tmp, f"{peer}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
                    "--preset", args.preset, "--batch", str(args.batch), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--workers", str(args.workers)] + (["--profile"] if args.profile else [])
+                   "--steps", str(args.steps), "--workers", str(args.workers),
+                   "--gpu-memory-gb", str(args.gpu_memory_gb)] + (["--profile"] if args.profile else [])
             cmd += [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ)
             if base_peer(peer).startswith("hf_compile"):  # a timed-out row's tail then says what recompiled
                 env.setdefault("TORCH_LOGS", "recompiles")
-            if base_peer(peer) == "hf_ds2":  # DeepSpeed wants a process group: one rank of torchrun's env
+            if base_peer(peer).startswith("hf_ds2"):  # DeepSpeed wants a process group: one rank of torchrun's env
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             tic = time.time()
             try:
                 limit = args.hf_compile_timeout if base_peer(peer).startswith("hf_compile") else args.timeout
                 proc = subprocess.run(cmd, env=env, timeout=limit, capture_output=True, text=True)
                 ok = proc.returncode == 0 and os.path.exists(row_file)
-                row = json.load(open(row_file)) if ok else {
+                row = json.load(open(row_file)) if ok else {"gpu_memory_gb": args.gpu_memory_gb or None,
                     "workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
                     "error": (proc.stdout + proc.stderr)[-3000:]}
             except subprocess.TimeoutExpired as e:
                 ok = False
                 tail = ((e.stdout or b"") + (e.stderr or b""))[-3000:]
                 row = {"workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
-                       "error": f"did not finish within {limit:.0f} s (start, compile and "
+                       "gpu_memory_gb": args.gpu_memory_gb or None, "error": f"did not finish within {limit:.0f} s (start, compile and "
                                 f"{args.warmup + args.steps} steps)",
                        "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
             row["wall_s"] = round(time.time() - tic, 1)

@@ -79,6 +79,8 @@ class OptimConfig:
     fused: str = "auto"  # auto: fused Adam(W) kernels on CUDA
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
     zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step instead of one per parameter
+    offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
+    offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB, so the copies overlap the host update
 
 
 @dataclass
@@ -334,6 +336,8 @@ RULES: dict[str, Rule] = {
     "optim.fused": one_of("auto", "true", "false"),
     "optim.zero": ANY,
     "optim.zero_bucket_view": ANY,
+    "optim.offload": switch("none", "cpu"),
+    "optim.offload_chunk_mb": above(0),
     "scheduler.name": one_of("constant", "warmup_cosine", "warmup_linear", "noam", "inverse_sqrt"),
     "scheduler.warmup_steps": at_least(0),
     "scheduler.min_lr_ratio": within(0, 1),
@@ -424,6 +428,8 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
     (("trainer.param_dtype", "trainer.precision"), lambda dtype, precision: dtype != "bf16" or precision == "bf16",
      "trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters would need loss "
      "scaling of bf16 master gradients: not supported)"),
+    (("optim.offload", "trainer.param_dtype"), lambda offload, dtype: offload == "none" or dtype == "bf16",
+     "optim.offload=cpu needs trainer.param_dtype=bf16 (a bf16 model on the GPU, fp32 masters on the host)"),
     (("optim.name", "optim.nesterov", "optim.momentum"),
      lambda name, nesterov, momentum: not (name == "sgd" and nesterov and momentum == 0),
      "optim.nesterov=true needs optim.momentum > 0"),

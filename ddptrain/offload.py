@@ -1,0 +1,309 @@
+"""Optimizer offload: the fp32 masters and AdamW state live in (pinned) host memory.
+
+With ``optim.offload: cpu`` (and ``trainer.param_dtype: bf16``) the GPU keeps only the bf16
+weights and their bf16 gradients: 4 B per trainable parameter instead of the 16 of
+:class:`ddptrain.precision.MasterWeights`, or ``2 + 2/N`` with sharded gradients. Each rank
+holds the masters of its own partition only (the whole-tensor partition of
+ddptrain/sharded_masters.py), so the host of a node holds each master once.
+
+How a step goes, once the StepUpdate has all-reduced the step's verdict (finite? the
+normalisation-and-clipping factor?) and read it on the host:
+
+1. The owned bf16 gradients are copied to a pinned bf16 staging buffer on a side stream, chunk
+   by chunk (``optim.offload_chunk_mb``), all queued at once.
+2. For each chunk, as soon as its copy has landed: the host widens the gradients to fp32, runs
+   the optimizer's own step (torch's fused CPU AdamW, multi-threaded) over that chunk's masters
+   with the factor as its ``grad_scale``, rounds the updated masters into the staging buffer and
+   queues their copy back to the GPU on a second side stream. So chunk ``i``'s host update runs
+   while chunk ``i+1``'s gradients arrive and chunk ``i-1``'s weights leave.
+3. The compute stream waits for the last upload; on several ranks each owner's flat buffer is
+   then broadcast as with sharded masters.
+
+Why after the backward and not during it: the update needs the global gradient norm (clipping)
+and the all-ranks finite check, which exist only once every gradient does; an update started
+earlier would be stale or inexact. A non-finite step is skipped before anything is copied.
+
+Why the optimizer's own step per chunk (its param groups narrowed to the chunk for the call):
+its state is then plain AdamW state, so checkpoints have the format of the on-GPU path and a run
+may resume with offload on or off. On one rank the weights file holds the fp32 masters (as
+MasterWeights'); on several, the bf16 weights plus each rank's ShardedMasterState.
+
+Host memory per owned parameter: 4 (master) + 8 (AdamW moments) + 2 (bf16 staging), plus one
+chunk of fp32 gradient scratch. On a CPU run (the tests) the same code runs without streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain.precision import KEEP_FP32
+from ddptrain.sharded_masters import partition
+
+
+def host_bytes_per_param() -> int:
+    """Host bytes per owned trainable parameter: master, two AdamW moments, bf16 staging."""
+    return 4 + 8 + 2
+
+
+class _Chunk:
+    """A run of whole tensors of one flat buffer: ``[start, end)`` elements, and its params."""
+
+    __slots__ = ("start", "end", "params", "masters", "landed")
+
+    def __init__(self, start: int, end: int, params: list, masters: list):
+        self.start, self.end, self.params, self.masters = start, end, params, masters
+        self.landed = None  # CUDA event: this step's gradients of the chunk are on the host
+
+
+class _Bucket:
+    """One owner's trainable tensors of one dtype: a flat device buffer the parameters are views
+    of (one broadcast, one upload per chunk), and, for this rank's own buckets, the pinned host
+    masters and staging buffer in the same layout."""
+
+    def __init__(self, owner: int, params: list, dtype: torch.dtype, own: bool, pin: bool, chunk_elems: int):
+        self.owner, self.dtype = owner, dtype
+        device = params[0].device
+        total = sum(p.numel() for p in params)
+        self.flat = torch.empty(total, dtype=dtype, device=device)
+        self.chunks: list[_Chunk] = []
+        self.masters: list[nn.Parameter] = []
+        if own:
+            self.master_flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+            self.staging = torch.empty(total, dtype=dtype, pin_memory=pin)
+        offset, start, run, run_masters = 0, 0, [], []
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                if own:  # the master from the parameter at full precision, before it is rounded
+                    view = self.master_flat[offset:offset + n].view(p.shape)
+                    view.copy_(p.detach())
+                    master = nn.Parameter(view)
+                    self.masters.append(master)
+                    run_masters.append(master)
+                flat_view = self.flat[offset:offset + n].view(p.shape)
+                flat_view.copy_(p.detach())
+                p.data = flat_view  # the old storage is freed here
+                run.append(p)
+                offset += n
+                if own and offset - start >= chunk_elems:
+                    self.chunks.append(_Chunk(start, offset, run, run_masters))
+                    start, run, run_masters = offset, [], []
+        if own and run:
+            self.chunks.append(_Chunk(start, offset, run, run_masters))
+
+
+class OffloadedMasters:
+    """fp32 masters and optimizer state on the host, for a bf16 model on the GPU.
+
+    The interface of :class:`~ddptrain.precision.MasterWeights` that the Trainer and checkpoints
+    use (``to_master``, ``copy_to_model``, ``zero_model_grads``, ``state_dict``,
+    ``load_state_dict``; ``sharded``, ``trainable``, ``global_index`` for ShardedMasterState on
+    several ranks) plus :meth:`step`, which the StepUpdate calls instead of the optimizer.
+
+    Args:
+        model: the model on its device, identical on every rank, not yet wrapped in DDP;
+            modified in place (dtypes; each owner's trainable parameters become views of one
+            flat buffer per dtype).
+        dtype: the low-precision dtype (``torch.bfloat16``).
+        chunk_mb: host-update pipeline granularity, in MB of bf16 gradients.
+
+    Raises:
+        ValueError: fewer trainable tensors than ranks.
+    """
+
+    offloaded = True
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, chunk_mb: float = 256.0):
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        self.sharded = distributed  # checkpoints: ShardedMasterState per rank, bf16 weights file
+        keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
+                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        if len(self.trainable) < self.world_size:
+            raise ValueError(f"optim.offload shards whole tensors: the model has {len(self.trainable)} trainable "
+                             f"tensors for {self.world_size} ranks")
+        self.device = self.trainable[0].device
+        self.cuda = self.device.type == "cuda"
+        owners = partition([p.numel() for p in self.trainable], self.world_size)
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and id(p) not in keep:
+                p.data = p.data.to(dtype)
+        for m in model.modules():
+            for name, b in m.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point() and id(b) not in keep:
+                    setattr(m, name, b.to(dtype))
+        chunk_elems = max(1, int(chunk_mb * 2**20 / 2))
+        self.buckets: list[_Bucket] = []
+        for r in range(self.world_size):
+            for kept in (False, True):
+                group = [p for p, o in zip(self.trainable, owners) if o == r and (id(p) in keep) == kept]
+                if group:
+                    self.buckets.append(_Bucket(r, group, torch.float32 if kept else dtype, r == self.rank,
+                                                self.cuda, chunk_elems))
+        self.own = [b for b in self.buckets if b.owner == self.rank]
+        self.to_master, self.global_index = {}, {}
+        index = {id(p): g for g, p in enumerate(self.trainable)}
+        for b in self.own:
+            for c in b.chunks:
+                for p, m in zip(c.params, c.masters):
+                    self.to_master[p] = m
+                    self.global_index[id(m)] = index[id(p)]
+        largest = max((c.end - c.start for b in self.own for c in b.chunks), default=0)
+        self._scratch = torch.empty(largest, dtype=torch.float32, pin_memory=False)  # fp32 gradients of one chunk
+        if self.cuda:
+            self._down = torch.cuda.Stream(self.device)
+            self._up = torch.cuda.Stream(self.device)
+        self.restored = False  # set when a checkpoint's masters were loaded (ShardedMasterState)
+
+    def host_bytes(self) -> int:
+        """Host memory this rank holds for the offload (masters, moments, staging, scratch)."""
+        owned = sum(b.master_flat.numel() for b in self.own)
+        return owned * host_bytes_per_param() + self._scratch.numel() * 4
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        """One optimizer step on the host for this rank's masters, gradients x ``factor`` (the
+        StepUpdate's normalisation and clipping); then the new weights back on every rank.
+
+        Called only for a finite step: a skipped one never reaches the host.
+        """
+        chunks = [(b, c) for b in self.own for c in b.chunks]
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            self._down.wait_stream(compute)  # the gradients are complete (and all-reduced)
+            self._down.wait_stream(self._up)  # the staging buffer's last upload has left
+        for b, c in chunks:  # every download queued at once: they run while the host works
+            with torch.cuda.stream(self._down) if self.cuda else contextlib.nullcontext():
+                offset = c.start
+                for p in c.params:
+                    view = b.staging[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad, non_blocking=self.cuda)
+                if self.cuda:
+                    c.landed = torch.cuda.Event()
+                    c.landed.record(self._down)
+        grad_scale = torch.full((), 1.0 / factor, dtype=torch.float32)
+        groups = optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        member = [set(map(id, ps)) for ps in saved]
+        try:
+            for b, c in chunks:
+                if self.cuda:
+                    c.landed.synchronize()
+                n = c.end - c.start
+                scratch = self._scratch[:n]
+                scratch.copy_(b.staging[c.start:c.end])  # widened to fp32 (multi-threaded copy)
+                offset = 0
+                for m in c.masters:
+                    m.grad = scratch[offset:offset + m.numel()].view(m.shape)
+                    offset += m.numel()
+                for g, ids in zip(groups, member):
+                    g["params"] = [m for m in c.masters if id(m) in ids]
+                _step(optimizer, grad_scale)
+                for m in c.masters:
+                    m.grad = None
+                b.staging[c.start:c.end].copy_(b.master_flat[c.start:c.end])  # rounded to the model dtype
+                if self.cuda:
+                    with torch.cuda.stream(self._up):
+                        b.flat[c.start:c.end].copy_(b.staging[c.start:c.end], non_blocking=True)
+                else:
+                    b.flat[c.start:c.end].copy_(b.staging[c.start:c.end])
+        finally:
+            for g, ps in zip(groups, saved):
+                g["params"] = ps
+        if self.cuda:
+            compute.wait_stream(self._up)  # the next forward reads the new weights
+        self._broadcast()
+
+    def _broadcast(self) -> None:
+        if self.world_size > 1:
+            works = [dist.broadcast(b.flat, src=b.owner, async_op=True) for b in self.buckets]
+            for w in works:
+                w.wait()
+
+    # ------------------------------------------------------------------ the MasterWeights interface
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Round every owned master into the model (all chunks), then broadcast the partitions."""
+        for b in self.own:
+            b.staging.copy_(b.master_flat)
+            b.flat.copy_(b.staging, non_blocking=False)
+        self._broadcast()
+
+    def load_grads(self, factor, owned=None) -> None:  # pragma: no cover - the step reads the grads itself
+        raise RuntimeError("OffloadedMasters reads the gradients in step(); load_grads is not used")
+
+    def zero_model_grads(self) -> None:
+        for p in self.trainable:
+            p.grad = None
+
+    def _masters_by_storage(self) -> dict:
+        return {p.data_ptr(): m for p, m in self.to_master.items()}
+
+    def state_dict(self, module: nn.Module) -> dict:
+        """One rank: the model's state dict with the fp32 masters in place of the bf16 weights
+        (as :class:`~ddptrain.precision.MasterWeights`); several: the bf16 state dict (the
+        masters travel in each rank's ShardedMasterState)."""
+        if self.sharded:
+            return module.state_dict()
+        masters = self._masters_by_storage()
+        return {k: masters[v.data_ptr()].detach() if v.data_ptr() in masters and v.numel() else v
+                for k, v in module.state_dict().items()}
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: dict, module: nn.Module) -> None:
+        """The masters from saved full-precision weights (unless a checkpoint's own masters were
+        restored), then the model's weights from the masters."""
+        if not self.restored:
+            masters = self._masters_by_storage()
+            for k, v in module.state_dict().items():
+                if v.data_ptr() in masters and v.numel() and k in saved:
+                    masters[v.data_ptr()].copy_(saved[k])
+        self.copy_to_model()
+
+
+def _step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
+    """``optimizer.step()`` on gradients divided by ``grad_scale`` (fused kernels take it as an
+    argument; the others get their gradients divided first)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale = grad_scale
+        optimizer.found_inf = torch.zeros((), dtype=torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    else:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, grad_scale)
+        optimizer.step()
+
+
+def prepare(model: nn.Module, chunk_mb: float, device: torch.device) -> OffloadedMasters:
+    """:class:`OffloadedMasters` for ``model``, after checking that pinned memory works on this
+    machine and that the host can hold every local rank's share.
+
+    Raises:
+        ConfigError: no pinned memory, or too little host memory: before anything is allocated.
+    """
+    from ddptrain.config import ConfigError
+
+    if device.type == "cuda":
+        try:
+            torch.empty(1, pin_memory=True)
+        except RuntimeError as e:
+            raise ConfigError(f"optim.offload=cpu needs pinned host memory, which fails here ({e}); "
+                              "set optim.offload=none") from e
+    return OffloadedMasters(model, torch.bfloat16, chunk_mb)
