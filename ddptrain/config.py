@@ -47,6 +47,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5  # abort after this many consecutive non-finite steps
     device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu; cuda: cuda:LOCAL_RANK
     cuda_alloc_conf: str = "expandable_segments:True"  # PyTorch's CUDA allocator settings when PYTORCH_CUDA_ALLOC_CONF is unset; "" = PyTorch's defaults
+    gpu_memory_gb: float = 0.0  # cap this process's GPU memory at this many GiB (the caching allocator's fraction), so a large GPU behaves like a smaller card; 0 = no cap
     deterministic: bool = False  # torch.use_deterministic_algorithms (slower; for bitwise tests)
     fp16_init_scale: float = 65536.0  # GradScaler initial loss scale
     fp16_min_scale: float = 1.0e-4  # a loss scale below this is reported as a collapse and aborts
@@ -312,6 +313,7 @@ RULES: dict[str, Rule] = {
     "trainer.max_nonfinite_steps": at_least(1),
     "trainer.device": one_of("auto", "cpu", "cuda"),
     "trainer.cuda_alloc_conf": ANY,
+    "trainer.gpu_memory_gb": at_least(0),
     "trainer.deterministic": ANY,
     "trainer.fp16_init_scale": above(0),
     "trainer.fp16_min_scale": at_least(0),

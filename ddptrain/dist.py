@@ -59,7 +59,7 @@ def configure_allocator(conf: str) -> None:
 
 
 def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
-          cuda_alloc_conf: str = "") -> DistInfo:
+          cuda_alloc_conf: str = "", gpu_memory_gb: float = 0.0) -> DistInfo:
     """Initialise the process group from torchrun's environment, or run as a single process.
 
     Args:
@@ -69,9 +69,13 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
             torch enables by default).
         device: ``auto`` uses ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
         cuda_alloc_conf: ``trainer.cuda_alloc_conf`` (see :func:`configure_allocator`).
+        gpu_memory_gb: ``trainer.gpu_memory_gb`` (see :func:`cap_gpu_memory`); 0 = no cap.
 
     Returns:
         The rank, world size, local rank, device and backend of this process.
+
+    Raises:
+        ConfigError: a ``gpu_memory_gb`` above the GPU's total memory.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -87,6 +91,7 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
+    cap_gpu_memory(gpu_memory_gb, dev, quiet=rank != 0)  # before anything (the model) lands on the GPU
 
     if dist.is_initialized():  # the user (or a test) set it up already: just describe it
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
@@ -106,7 +111,55 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
 
 def setup_for(config) -> DistInfo:
     """:func:`setup` with a config's ``dist`` and ``trainer`` keys (the one place that maps them)."""
-    return setup(config.dist.backend, config.dist.timeout_s, config.trainer.device, config.trainer.cuda_alloc_conf)
+    t = config.trainer
+    return setup(config.dist.backend, config.dist.timeout_s, t.device, t.cuda_alloc_conf, t.gpu_memory_gb)
+
+
+def gpu_memory_fraction(gib: float, total_memory: int) -> float:
+    """The caching-allocator fraction that caps a GPU of ``total_memory`` bytes at ``gib`` GiB.
+
+    Args:
+        gib: the cap in GiB (2**30 bytes), as ``trainer.gpu_memory_gb``.
+        total_memory: the GPU's ``torch.cuda.get_device_properties(d).total_memory`` in bytes.
+
+    Raises:
+        ConfigError: a cap larger than the GPU (it would cap nothing and pretend to emulate a
+            card that this GPU cannot be).
+    """
+    from ddptrain.config import ConfigError
+
+    if gib * 2**30 > total_memory:
+        raise ConfigError(f"trainer.gpu_memory_gb={gib:g} is more than this GPU's {total_memory / 2**30:.2f} GiB "
+                          f"(total_memory): set it to at most {int(total_memory / 2**30 * 100) / 100:g}, or 0 for no cap")
+    return float(gib * 2**30 / total_memory)
+
+
+def cap_gpu_memory(gib: float, device: torch.device, quiet: bool = False) -> None:
+    """Cap this process's caching allocator on ``device`` at ``gib`` GiB (``trainer.gpu_memory_gb``).
+
+    GiB, not 1e9 bytes: a "24 GB" RTX 3090/4090 reports ~23.6-24 GiB of ``total_memory``, so
+    ``gpu_memory_gb: 24`` makes a large GPU behave like that card. The cap covers what PyTorch's
+    allocator reserves (fragmentation included), not the CUDA context (~0.3-0.5 GiB on a real
+    card, outside the cap): for a tight emulation of a 24 GB card, use 23. On a CPU run the cap
+    is ignored with a note, not refused: the same config then also runs CPU dry runs and tests,
+    where there is no GPU memory to cap and nothing the cap would change.
+
+    Args:
+        gib: the cap in GiB; 0 (or less) = no cap.
+        device: this rank's device (``cuda:LOCAL_RANK``), already current.
+        quiet: no note on a CPU run (every rank but rank 0).
+
+    Raises:
+        ConfigError: a cap larger than the GPU's total memory.
+    """
+    if not gib or gib <= 0:
+        return
+    if device.type != "cuda":
+        if not quiet:
+            print(f"note: trainer.gpu_memory_gb={gib:g} ignored: this run is on {device}, not a GPU", flush=True)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction(gib, total), device)
 
 
 def _restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta):

@@ -1,5 +1,7 @@
 """Estimate the per-GPU memory of the *model state* before a run: parameters, gradients,
-optimizer state and DDP's gradient buckets, with and without ZeRO.
+optimizer state and DDP's gradient buckets, with and without ZeRO, sharded gradients, optimizer
+offload and a streamed frozen base; the host memory those tiers move there; the activations of
+one real step (:func:`measure_activations`); and what fits 16 / 24 / 48 / 80 GB cards.
 
 What ddptrain keeps per trainable parameter (all fp32 "master" tensors, whatever
 ``trainer.precision`` says: autocast only makes bf16/fp16 *copies* for the forward pass):
@@ -23,38 +25,87 @@ So plain DDP + AdamW costs 16 B/parameter on every rank, and ZeRO over N ranks
 *transient* bf16/fp16 weight copies autocast makes in the forward pass (2 B/parameter, kept
 until backward has used them), reported separately as ``autocast_weight_copies``.
 
-With ``trainer.param_dtype: bf16`` (a bf16 model with fp32 master weights): 2 (weights) + 2
-(gradients) + 4 (masters) + 8 (Adam) = 16 B on one rank. With ZeRO on N ranks the masters are
-sharded with the Adam state (ddptrain/sharded_masters.py): ``4 + 12/N`` (10 B on 2 GPUs, 5.5 B
-on 8). No autocast copies; a transient fp32 gradient for the rank's own masters during the step
-(``master_grads``: 4 or 4/N B).
+With ``trainer.param_dtype: bf16`` (a bf16 model with fp32 master weights), the memory tiers
+(DESIGN.md), GPU bytes per trainable parameter on N GPUs, each composing with the ones above:
+
+==========================================  ================  ==============================
+tier                                        GPU B/param       host B/param (per rank)
+==========================================  ================  ==============================
+bf16 weights + fp32 masters                 16 (+4 transient) 0
++ sharded masters (``optim.zero``)          4 + 12/N (+4/N)   0
++ sharded gradients (``optim.shard_grads``) 2 + 2/N + 12/N    0
++ optimizer offload (``optim.offload: cpu``) 2 + 2/N          (4 + 8 + 2)/N + one fp32 chunk
+==========================================  ================  ==============================
+
+Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split with the Adam state,
+and the step makes a transient fp32 gradient for the rank's own masters (``master_grads``: 4 or
+4/N B). Sharded gradients: each rank keeps the bf16 gradients of its own partition only.
+Optimizer offload (ddptrain/offload.py): the masters (4 B), AdamW moments (8 B) and a bf16
+staging copy of the gradients and weights (2 B) of each rank's partition live in pinned host
+memory, with one chunk (``optim.offload_chunk_mb``, MB of bf16 gradients) of fp32 gradient
+scratch; the GPU keeps the bf16 weights and gradients only (no GPU-side staging: the copies go
+straight between the gradients/weights and the pinned buffer). Without sharded gradients the GPU
+keeps ``2 + 2`` B.
 
 Frozen parameters (LoRA's base, a frozen encoder) cost their weights only: 2 B each under
 ``param_dtype: bf16``, no gradient, master or optimizer state (``--trainable`` on the command
-line; a model's ``requires_grad`` flags otherwise).
+line; a model's ``requires_grad`` flags otherwise). A frozen base streamed from pinned host
+memory (``lora.base_offload: cpu``) costs the GPU a ring of ``lora.stream_ahead + 1`` blocks'
+weights only (the largest block's size x the ring), plus any frozen weights outside the
+streamed blocks, and costs each rank's host 2 B per streamed parameter.
 
 Given a model (not only a parameter count) the estimate uses the real dtypes, counts frozen
-parameters as parameters only, and reproduces the partition (ZeroRedundancyOptimizer's greedy
-one per parameter group, or the sharded masters' over all trainable tensors) so the optimizer
-figure is that of the most loaded rank.
+parameters as parameters only, reproduces the partition (ZeroRedundancyOptimizer's greedy one
+per parameter group, or the sharded masters' over all trainable tensors) so the optimizer
+figure is that of the most loaded rank, cuts offload's chunks as ddptrain/offload.py does, and
+picks a streamed base's blocks as ddptrain/streamed_base.py does (``lora.stream_blocks``, else
+the children of the largest ``nn.ModuleList``: a decoder's layers).
+
+GB here: cards and caps are in GiB (2**30 bytes), as ``trainer.gpu_memory_gb``: a "24 GB"
+RTX 3090/4090 has ~23.6-24 GiB. ``format_table`` prints both.
 
 Command line::
 
     python -m ddptrain.memory --params 1.54e9 --world-size 2 --zero
     python -m ddptrain.memory --params 10.29e9 --world-size 2 --zero --param-dtype bf16
     python -m ddptrain.memory --params 10.29e9 --trainable 47.6e6 --param-dtype bf16   # LoRA
-    python -m ddptrain.memory --table          # what fits where: sizes x GPUs x full/LoRA
+    python -m ddptrain.memory --params 2.14e9 --world-size 2 --param-dtype bf16 --shard-grads --offload
+    python -m ddptrain.memory --preset glm4v-9b-lora --base-offload --param-dtype bf16
+    python -m ddptrain.memory --config configs/glmasr.yaml --world-size 2 optim.offload=cpu
+    python -m ddptrain.memory --table          # what fits where: sizes x GPUs x full/LoRA (139 GiB GPUs)
+    python -m ddptrain.memory --table --preset glm-asr-nano --activations-gb 6   # 16/24/48/80 GB cards x tiers
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-from typing import Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 _ADAM = ("adam", "adamw")
+GiB = 2**30
+
+# The shipped workloads, with the counts they were measured with (nothing computed here):
+# GLM-ASR-Nano-2512: BENCHMARKS.md ("2.14B parameters", the published config); VoxCPM-1.5:
+# BENCHMARKS.md / examples/models/voxcpm_tts.py ("~0.8B"); the GLM-4.1V-9B shape with LoRA r=16 on
+# the decoder's attention and MLP projections: the num_params / num_trainable of bench_9b.py's
+# lora_ddptrain rows (bench/results/h200x1_2026-12-01_s9d_glm4v_9b_fix.jsonl). Its streamed
+# blocks (streamed_base.find_blocks: the largest ModuleList) are the 40 decoder layers of
+# 203,969,024 parameters each; 2,134,016,512 frozen parameters stay on the GPU (embedding, head,
+# the vision tower), counted once from bench_9b.build on the meta device.
+PRESETS: dict[str, dict[str, Any]] = {
+    "glm-asr-nano": dict(title="GLM-ASR-Nano-2512, full fine-tune", params=2.14e9, trainable=None),
+    "glm4v-9b-lora": dict(title="GLM-4.1V-9B shape, LoRA r=16", params=10_340_372_992, trainable=47_595_520,
+                          stream_block_params=203_969_024, stream_resident_params=2_134_016_512),
+    "voxcpm-1.5": dict(title="VoxCPM-1.5, full fine-tune", params=0.8e9, trainable=None),
+}
+CARDS_GIB = (16, 24, 48, 80)
 
 
 def _state_bytes_per_param(cfg) -> int:
@@ -65,6 +116,16 @@ def _state_bytes_per_param(cfg) -> int:
     if name == "sgd":
         return 4 if cfg.optim.momentum else 0
     raise ValueError(f"optim.name={cfg.optim.name!r}: no memory rule for this optimizer")
+
+
+def _switches(cfg) -> dict:
+    """The memory tiers a config switches on. Read with defaults, so a config (or a schema of an
+    older ddptrain) without the key counts as the switch off."""
+    return {"shard_grads": bool(getattr(cfg.optim, "shard_grads", False)),
+            "offload": str(getattr(cfg.optim, "offload", "none")).lower() == "cpu",
+            "chunk_mb": float(getattr(cfg.optim, "offload_chunk_mb", 256.0)),
+            "streamed": str(getattr(cfg.lora, "base_offload", "none")).lower() == "cpu",
+            "ring": int(getattr(cfg.lora, "stream_ahead", 1)) + 1}
 
 
 def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int:
@@ -78,29 +139,86 @@ def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int
     return max(totals)
 
 
+def _offload_host(sizes: list[int], fp32: list[bool], owners: list[int], world_size: int,
+                  chunk_elems: int, per_state: int) -> dict:
+    """Host bytes of the most loaded rank under ddptrain/offload.py's layout: per owned element a
+    4 B master, the optimizer state and a staging copy in the model dtype (2 B; 4 for tensors kept
+    fp32), plus fp32 scratch for the largest chunk (whole tensors, cut once a run reaches
+    ``chunk_elems``)."""
+    best = None
+    for r in range(world_size):
+        owned = staging = largest = 0
+        for kept in (False, True):
+            run = 0
+            for n, f, o in zip(sizes, fp32, owners):
+                if o != r or f != kept:
+                    continue
+                owned, staging, run = owned + n, staging + n * (4 if kept else 2), run + n
+                if run >= chunk_elems:
+                    largest, run = max(largest, run), 0
+            largest = max(largest, run)
+        parts = {"masters": 4 * owned, "optimizer": per_state * owned, "grads": staging, "scratch": 4 * largest}
+        if best is None or sum(parts.values()) > sum(best.values()):
+            best = parts
+    return best or {"masters": 0, "optimizer": 0, "grads": 0, "scratch": 0}
+
+
+def stream_blocks(model: nn.Module, globs: Sequence[str] = ()) -> list[nn.Module]:
+    """The blocks a streamed frozen base moves to the GPU one at a time, chosen as
+    ddptrain/streamed_base.py's ``find_blocks`` does: the outermost modules matching ``globs``
+    (``lora.stream_blocks``), else the children of the model's largest ``nn.ModuleList`` by
+    parameter count (a decoder's layers, not its vision tower's blocks)."""
+    import fnmatch
+
+    if globs:
+        blocks: list[tuple[str, nn.Module]] = []
+        for name, m in model.named_modules():
+            if name and any(fnmatch.fnmatchcase(name, g) for g in globs) and not any(
+                    name.startswith(b + ".") for b, _ in blocks):
+                blocks.append((name, m))
+        return [m for _, m in blocks]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))  # first of equals
+
+
 def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=None,
-                         world_size: int = 1, trainable: Optional[float] = None) -> dict:
-    """Per-GPU bytes of the model state a ddptrain run holds.
+                         world_size: int = 1, trainable: Optional[float] = None,
+                         stream_ring_bytes: Optional[float] = None, stream_resident: float = 0) -> dict:
+    """Per-GPU bytes of the model state a ddptrain run holds, and the host bytes per rank of the
+    tiers that move state there.
 
     Args:
-        model_or_num_params: the model (exact: real dtypes, frozen parameters, ZeRO partition),
-            or a parameter count (fp32 unless ``param_dtype: bf16``, ZeRO shard =
-            ceil(trainable / N)).
-        cfg: a :class:`ddptrain.Config` (``optim.name``, ``optim.momentum``, ``optim.zero``,
-            ``dist.gradient_as_bucket_view``, ``trainer.precision``, ``trainer.param_dtype``
-            are read); default: defaults.
-        world_size: number of ranks (DDP and ZeRO only act when > 1).
+        model_or_num_params: the model (exact: real dtypes, frozen parameters, partitions,
+            offload chunks, streamed blocks), or a parameter count (fp32 unless ``param_dtype:
+            bf16``, shard = ceil(trainable / N)).
+        cfg: a :class:`ddptrain.Config`: ``optim.name``, ``optim.momentum``, ``optim.zero``,
+            ``optim.shard_grads``, ``optim.offload``, ``optim.offload_chunk_mb``,
+            ``dist.gradient_as_bucket_view``, ``trainer.precision``, ``trainer.param_dtype``,
+            ``lora.base_offload``, ``lora.stream_ahead`` are read (a missing key = off);
+            default: defaults.
+        world_size: number of ranks (DDP, ZeRO, sharded gradients only act when > 1; offload
+            gives each rank 1/N of the host state).
         trainable: with a parameter count, how many of them train (default: all); the rest
             are frozen (weights only).
+        stream_ring_bytes: with a parameter count and ``lora.base_offload: cpu``, the GPU bytes
+            of the streamed base's ring (largest block x (stream_ahead + 1)); a model gives it.
+        stream_resident: with a parameter count and a streamed base, how many frozen parameters
+            stay on the GPU (outside the streamed blocks); default 0.
 
     Returns:
-        dict of bytes: ``params``, ``grads``, ``optimizer``, ``ddp_buckets``, ``total`` (their
-        sum), the transient ``autocast_weight_copies``, plus ``num_params`` and
+        dict of bytes: on the GPU ``params`` (resident weights), ``stream_ring``, ``grads``,
+        ``masters``, ``optimizer``, ``ddp_buckets``, ``total`` (their sum), the transient
+        ``autocast_weight_copies`` and ``master_grads``; per rank on the host ``host_masters``,
+        ``host_optimizer``, ``host_grads`` (bf16 staging), ``host_scratch`` (one fp32 chunk),
+        ``host_base`` (a streamed frozen base, pinned), ``host_total``; plus ``num_params`` and
         ``num_trainable`` (counts).
 
     Raises:
-        ValueError: world_size < 1, a negative parameter count (or more trainable than all), or
-            an optimizer with no rule.
+        ValueError: world_size < 1, a negative parameter count (or more trainable than all), an
+            optimizer with no rule, offload without ``param_dtype: bf16``, or a streamed base
+            given by count without ``stream_ring_bytes``.
     """
     if cfg is None:
         from ddptrain.config import Config
@@ -112,23 +230,37 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
     ddp = world_size > 1
     per_state = _state_bytes_per_param(cfg)
     bf16 = str(cfg.trainer.param_dtype).lower() == "bf16"
+    sw = _switches(cfg)
+    offload, streamed = sw["offload"], sw["streamed"]
+    shard_grads = sw["shard_grads"] and ddp
+    if offload and not bf16:
+        raise ValueError("optim.offload=cpu needs trainer.param_dtype=bf16 (as the Trainer does)")
+    chunk_elems = max(1, int(sw["chunk_mb"] * 2**20 / 2))  # as ddptrain/offload.py: MB of bf16 gradients
+    host = {"masters": 0, "optimizer": 0, "grads": 0, "scratch": 0}
+    ring = host_base = 0
 
     if isinstance(model_or_num_params, nn.Module):
         from ddptrain.optim import param_groups
+        from ddptrain.precision import KEEP_FP32
 
         model = model_or_num_params
         params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
         trainable = [p for p in params if p.requires_grad]
         num_params = sum(p.numel() for p in params)
         num_trainable = sum(p.numel() for p in trainable)
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
-        if zero and bf16:  # sharded masters: whole tensors over all trainable ones at once
+
+        def weight_bytes(ps) -> int:  # bf16 model: every weight 2 B (the estimate ignores KEEP_FP32)
+            return sum(p.numel() * (2 if bf16 else p.element_size()) for p in ps)
+
+        param_bytes, grad_bytes = weight_bytes(params), weight_bytes(trainable)
+        sizes = [p.numel() for p in trainable]
+        owners = [0] * len(trainable)
+        if ddp and (offload or (bf16 and (zero or shard_grads))):  # whole tensors over all trainable ones
             from ddptrain.sharded_masters import partition
 
-            owners = partition([p.numel() for p in trainable], world_size)
-            shard = max(sum(p.numel() for p, o in zip(trainable, owners) if o == r) for r in range(world_size))
-        elif zero:
+            owners = partition(sizes, world_size)
+            shard = max(sum(n for n, o in zip(sizes, owners) if o == r) for r in range(world_size))
+        elif zero or shard_grads:
             groups = param_groups(model, cfg.optim.weight_decay)
             shard = _zero_partition_max([[p.numel() for p in g["params"]] for g in groups], world_size)
         else:
@@ -136,6 +268,18 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         # optimizer state has the parameters' dtype (fp32 master weights)
         state_elt = trainable[0].element_size() if trainable else 4
         opt_bytes = shard * (per_state // 4) * state_elt
+        if shard_grads:
+            grad_bytes = shard * (2 if bf16 else state_elt)
+        if offload:
+            keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32) for t in m.parameters(recurse=False)}
+            host = _offload_host(sizes, [id(p) in keep for p in trainable], owners, world_size, chunk_elems, per_state)
+        if streamed:
+            blocks = [[p for p in {id(p): p for p in b.parameters()}.values() if not p.requires_grad]
+                      for b in stream_blocks(model, list(getattr(cfg.lora, "stream_blocks", None) or ()))]
+            in_blocks = {id(p) for b in blocks for p in b}
+            ring = sw["ring"] * max((weight_bytes(b) for b in blocks), default=0)
+            host_base = weight_bytes([p for p in params if id(p) in in_blocks])
+            param_bytes -= host_base  # resident: the trainable weights and frozen ones outside the blocks
     else:
         n = float(model_or_num_params)
         if n < 0:
@@ -144,47 +288,89 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         num_trainable = num_params if trainable is None else int(round(float(trainable)))
         if not 0 <= num_trainable <= num_params:
             raise ValueError(f"trainable={trainable} must be in [0, {num_params}]")
-        param_bytes, grad_bytes = 4 * num_params, 4 * num_trainable
-        shard = -(-num_trainable // world_size) if zero else num_trainable
+        w = 2 if bf16 else 4  # bytes of a weight and of its gradient
+        shard = -(-num_trainable // world_size) if (zero or shard_grads or (offload and ddp)) else num_trainable
+        param_bytes, grad_bytes = w * num_params, w * (shard if shard_grads else num_trainable)
         opt_bytes = per_state * shard
+        if offload:
+            host = {"masters": 4 * shard, "optimizer": per_state * shard, "grads": 2 * shard,
+                    "scratch": 4 * min(shard, chunk_elems)}  # about one chunk: the real ones end at tensor edges
+        if streamed:
+            if stream_ring_bytes is None:
+                raise ValueError("lora.base_offload=cpu with a parameter count needs stream_ring_bytes "
+                                 "(largest block x (stream_ahead + 1)), or give the model")
+            resident = int(round(float(stream_resident)))
+            if not 0 <= resident <= num_params - num_trainable:
+                raise ValueError(f"stream_resident={stream_resident} must be in [0, {num_params - num_trainable}] "
+                                 "(frozen parameters)")
+            ring = int(stream_ring_bytes)
+            host_base = w * (num_params - num_trainable - resident)
+            param_bytes -= host_base
 
     masters = master_grads = 0
     if bf16:
         # bf16 model + fp32 masters: the weights (frozen ones too) and gradients shrink to 2 B,
         # the Adam state stays fp32, and the step makes fp32 gradients for the rank's own
         # masters. Under ZeRO the masters are sharded with the Adam state (sharded_masters.py).
-        param_bytes, grad_bytes = 2 * num_params, 2 * num_trainable
         masters, master_grads = 4 * shard, 4 * shard
         opt_bytes = shard * per_state
-    buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view else 0
-    autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") and not masters else 0
+    if offload:  # masters, optimizer state and the fp32 gradients of the step all on the host
+        masters = master_grads = opt_bytes = 0
+    buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view and not shard_grads else 0
+    autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") and not bf16 else 0
     # frozen weights are cast too, but count the trainable ones: a frozen feature encoder's
     # casts are freed as soon as its (gradient-free) forward is done
+    host_total = sum(host.values()) + host_base
     return {
         "params": int(param_bytes),
+        "stream_ring": int(ring),
         "grads": int(grad_bytes),
         "masters": int(masters),
         "optimizer": int(opt_bytes),
         "ddp_buckets": int(buckets),
-        "total": int(param_bytes + grad_bytes + masters + opt_bytes + buckets),
+        "total": int(param_bytes + ring + grad_bytes + masters + opt_bytes + buckets),
         "autocast_weight_copies": int(autocast),
         "master_grads": int(master_grads),
+        "host_masters": int(host["masters"]),
+        "host_optimizer": int(host["optimizer"]),
+        "host_grads": int(host["grads"]),
+        "host_scratch": int(host["scratch"]),
+        "host_base": int(host_base),
+        "host_total": int(host_total),
         "num_params": int(num_params),
         "num_trainable": int(num_trainable),
     }
 
 
-def format_table(est: dict, title: str = "") -> str:
-    """A small fixed-width table (GB = 1e9 bytes and GiB) of an :func:`estimate_model_state` result."""
+def format_table(est: dict, title: str = "", local_world_size: int = 1,
+                 activations: Optional[float] = None) -> str:
+    """A small fixed-width table (GB = 1e9 bytes and GiB) of an :func:`estimate_model_state` result,
+    with the host memory of offload / a streamed base (per rank, and per node of
+    ``local_world_size`` ranks) when there is any, and ``activations`` (bytes) when known: the
+    peak is then the state plus the larger of the activations (a measured term includes autocast's
+    copies) and the step's transient master gradients, which do not coexist."""
     n = max(est["num_params"], 1)
-    rows = [("parameters", est["params"]), ("gradients", est["grads"]), ("fp32 master weights", est["masters"]),
-            ("optimizer state", est["optimizer"]), ("DDP buckets (extra)", est["ddp_buckets"]),
-            ("total model state", est["total"]), ("+ autocast copies (transient)", est["autocast_weight_copies"]),
-            ("+ fp32 master grads (transient)", est["master_grads"])]
+    rows = [("parameters", est["params"])]
+    if est.get("stream_ring"):
+        rows.append(("streamed base ring", est["stream_ring"]))
+    rows += [("gradients", est["grads"]), ("fp32 master weights", est["masters"]),
+             ("optimizer state", est["optimizer"]), ("DDP buckets (extra)", est["ddp_buckets"]),
+             ("total model state", est["total"]), ("+ autocast copies (transient)", est["autocast_weight_copies"]),
+             ("+ fp32 master grads (transient)", est["master_grads"])]
+    if activations is not None:
+        rows.append(("+ activations (one step)", activations))
+        rows.append(("peak per GPU", est["total"] + max(est["master_grads"], activations)))
     lines = [title] if title else []
     lines.append(f"{'':32s}{'GB':>10s}{'GiB':>10s}{'B/param':>10s}")
     for name, b in rows:
         lines.append(f"{name:32s}{b / 1e9:10.2f}{b / 2**30:10.2f}{b / n:10.2f}")
+    if est.get("host_total"):
+        host = [("host: fp32 master weights", est["host_masters"]), ("host: optimizer state", est["host_optimizer"]),
+                ("host: gradient/weight staging", est["host_grads"]), ("host: fp32 gradient chunk", est["host_scratch"]),
+                ("host: frozen base (pinned)", est["host_base"]), ("host total per rank", est["host_total"])]
+        if local_world_size > 1:
+            host.append((f"host total per node ({local_world_size} ranks)", est["host_total"] * local_world_size))
+        lines += [f"{name:32s}{b / 1e9:10.2f}{b / 2**30:10.2f}{b / n:10.2f}" for name, b in host if b]
     return "\n".join(lines)
 
 
@@ -222,45 +408,370 @@ def fits_table(sizes: Sequence[float] = (0.3e9, 1.5e9, 3e9, 7e9, 10.29e9, 14e9),
     return "\n".join(rows)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddptrain.memory",
-                                description="Per-GPU model-state memory of a ddptrain run (params, grads, "
-                                            "optimizer state, DDP buckets), with or without ZeRO.")
-    p.add_argument("--params", type=float, help="number of parameters, e.g. 1.54e9")
-    p.add_argument("--trainable", type=float, default=None,
-                   help="how many of them train (default: all; e.g. a LoRA's adapter parameters)")
-    p.add_argument("--table", action="store_true", help="print the what-fits-where table (sizes x GPUs x full/LoRA) "
-                                                        "for 139 GiB GPUs and exit")
-    p.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs)")
-    p.add_argument("--zero", action="store_true", help="optim.zero=true (shard the optimizer state)")
-    p.add_argument("--optim", default="adamw", choices=["adamw", "adam", "sgd"])
-    p.add_argument("--no-momentum", action="store_true", help="SGD without momentum")
-    p.add_argument("--no-bucket-view", action="store_true", help="dist.gradient_as_bucket_view=false")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="trainer.param_dtype (bf16: bf16 model + fp32 master weights; needs --precision bf16)")
-    args = p.parse_args(argv)
-    if args.table:
-        print(fits_table())
-        return 0
-    if args.params is None:
-        p.error("--params is required (or --table)")
-
+def _tier_config(zero: bool = False, shard_grads: bool = False, offload: bool = False, streamed: bool = False,
+                 chunk_mb: float = 256.0, stream_ahead: int = 1):
     from ddptrain.config import Config
 
     cfg = Config()
-    cfg.optim.name, cfg.optim.zero = args.optim, args.zero
+    cfg.trainer.precision, cfg.trainer.param_dtype, cfg.optim.zero = "bf16", "bf16", zero
+    # plain attribute sets: the estimate reads these keys with defaults, whichever ddptrain defines them
+    cfg.optim.shard_grads, cfg.optim.offload, cfg.optim.offload_chunk_mb = shard_grads, "cpu" if offload else "none", chunk_mb
+    cfg.lora.base_offload, cfg.lora.stream_ahead = "cpu" if streamed else "none", stream_ahead
+    return cfg
+
+
+# (label, switches, shown for full fine-tunes / for LoRA): the rows of cards_table
+TIERS = [
+    ("DDP, bf16 weights + fp32 masters", {}, "full"),
+    ("+ sharded masters (optim.zero)", {"zero": True}, "full"),
+    ("+ sharded grads (optim.shard_grads)", {"zero": True, "shard_grads": True}, "full"),
+    ("+ optimizer offload (optim.offload: cpu)", {"zero": True, "shard_grads": True, "offload": True}, "full"),
+    ("LoRA, bf16 frozen base", {"zero": True}, "lora"),
+    ("LoRA, streamed base (lora.base_offload: cpu)", {"zero": True, "streamed": True}, "lora"),
+]
+
+
+def cards_table(num_params: float, trainable: Optional[float] = None, gpus: Sequence[int] = (1, 2, 4, 8),
+                cards_gib: Sequence[float] = CARDS_GIB, activations: Optional[float] = None,
+                stream_block_bytes: Optional[float] = None, stream_resident: float = 0,
+                chunk_mb: float = 256.0, stream_ahead: int = 1, title: str = "") -> str:
+    """What fits 16 / 24 / 48 / 80 GB cards: a Markdown table, one row per memory tier, one column
+    per GPU count, each cell the model state per GPU (GiB, with the step's transient fp32 master
+    gradients) and the smallest card it fits.
+
+    A full fine-tune (``trainable`` None or all) gets the DDP / sharded masters / sharded grads /
+    offload rows, a LoRA the bf16-base and streamed-base rows (adapters with sharded masters on
+    several GPUs). A cell fits a card of G GiB (``trainer.gpu_memory_gb: G``) when the state plus
+    the larger of ``activations`` and the transient master gradients is at most G; without an
+    activation term the check is on the state only and the title says so. Host rows give the
+    pinned host memory per rank / per node (all the GPUs on one node) of the tiers that use it.
+
+    Args:
+        num_params: all parameters; ``trainable``: those that train (default: all).
+        activations: bytes of activations per GPU (:func:`measure_activations`, or given).
+        stream_block_bytes: the largest streamed block's bf16 weights (a streamed-base row needs
+            it; the ring is ``stream_ahead + 1`` of them); ``stream_resident``: frozen
+            parameters outside the blocks, kept on the GPU.
+    """
+    lora = trainable is not None and trainable < num_params
+    head = "| tier | " + " | ".join(f"{g} GPU{'s' if g > 1 else ''}" for g in gpus) + " |"
+    rows = [head, "| --- |" + " --- |" * len(gpus)]
+    for label, switches, kind in TIERS:
+        if kind != ("lora" if lora else "full"):
+            continue
+        if switches.get("streamed") and stream_block_bytes is None:
+            continue
+        cells, host = [], []
+        for g in gpus:
+            cfg = _tier_config(chunk_mb=chunk_mb, stream_ahead=stream_ahead, **switches)
+            ring = None if stream_block_bytes is None else (stream_ahead + 1) * stream_block_bytes
+            est = estimate_model_state(num_params, cfg, g, trainable, stream_ring_bytes=ring,
+                                       stream_resident=stream_resident)
+            state = est["total"] + est["master_grads"]
+            need = est["total"] + max(est["master_grads"], activations or 0)
+            card = next((c for c in sorted(cards_gib) if need <= c * GiB), None)
+            cells.append(f"{state / GiB:.1f} ({f'{card:g}+' if card else 'no'})")
+            if est["host_total"]:
+                host.append(f"{est['host_total'] / GiB:.1f} / {est['host_total'] * g / GiB:.1f}")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+        if host:
+            rows.append("| &nbsp;&nbsp;host GiB per rank / node | " + " | ".join(host) + " |")
+    t = int(round(num_params if trainable is None else trainable))
+    act = (f"the state + {activations / GiB:.1f} GiB of activations per GPU" if activations is not None
+           else "state only, no activation term: give one with --activations-gb (measure_activations)")
+    cards = " / ".join(f"{c:g}" for c in sorted(cards_gib))
+    lines = [title] if title else []
+    lines += [f"{num_params:.4g} parameters, {t:.4g} trainable. Cells: GiB of model state per GPU (with the "
+              f"step's transient fp32 master grads) and the smallest {cards} GiB card it fits "
+              f"('24+': 24 GiB and larger, 'no': none).",
+              f"Fits by: {act}. Host rows: pinned host GiB per rank / per node (all the GPUs on one node).",
+              "", *rows]
+    return "\n".join(lines)
+
+
+def measure_activations(model: nn.Module, loss_fn: Callable, batch: Any,
+                        dtype: Optional[torch.dtype] = torch.bfloat16) -> Optional[dict]:
+    """The activation term of one real training step: one forward + backward of ``batch`` on the
+    model's CUDA device, peak allocated memory minus the model state at rest after it.
+
+    The state at rest is what stays allocated once the step's graph is freed: the weights, the
+    gradients this step made, whatever optimizer state exists. So the estimator's model state
+    (which counts the gradients) plus this term is the measured peak. It covers the batch, the
+    saved activations, autocast's weight copies and the backward's temporaries; the gradients
+    the step made are set back to None afterwards.
+
+    Args:
+        model: the model as it will train (recompute, LoRA, dtypes applied), on a CUDA device.
+        loss_fn: ``loss_fn(model, batch) -> (loss_sum, num_units)`` (the loss contract).
+        batch: one batch as the loader yields it (moved to the model's device here); use the
+            costliest one (``trainer.preflight`` finds it).
+        dtype: autocast dtype of the forward, None for none.
+
+    Returns:
+        ``{"activations", "peak", "at_rest"}`` in bytes, or None on a CPU model (with a warning:
+        there is no allocator to measure).
+    """
+    from ddptrain.contract import to_device
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        warnings.warn(f"measure_activations: the model is on {device}; the activation term can only be measured "
+                      "on a CUDA device (give it to the estimator by hand: --activations-gb)")
+        return None
+    had_grad = {id(p) for p in model.parameters() if p.grad is not None}
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        loss_sum, units = loss_fn(model, to_device(batch, device))
+    (loss_sum.float() / max(float(units), 1.0)).backward()
+    del loss_sum, units
+    torch.cuda.synchronize(device)
+    peak, at_rest = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+    for p in model.parameters():
+        if id(p) not in had_grad:
+            p.grad = None
+    return {"activations": int(peak - at_rest), "peak": int(peak), "at_rest": int(at_rest)}
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def _meminfo_available(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _stat_value(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) for line in f if line.split()[:1] == [key]), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def cgroup_memory_available(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes the process's cgroup may still take before its memory limit, or None (no limit, or
+    no cgroup file readable). cgroup v2: ``memory.max`` minus ``memory.current`` (less its
+    reclaimable ``inactive_file`` page cache) of the own cgroup (``/proc/self/cgroup``) and each
+    of its parents, or inside a container's namespace of the root, the tightest; v1:
+    ``memory/memory.limit_in_bytes`` minus ``memory.usage_in_bytes`` (less ``total_inactive_file``)."""
+    own = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
+    except OSError:
+        pass
+    parts = [p for p in own.strip("/").split("/") if p]
+    folders = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
+    found = []
+    for folder in dict.fromkeys(folders):
+        limit = _read_int(os.path.join(folder, "memory.max"))
+        if limit is not None:
+            used = (_read_int(os.path.join(folder, "memory.current")) or 0) - _stat_value(
+                os.path.join(folder, "memory.stat"), "inactive_file")
+            found.append(limit - max(used, 0))
+    if found:
+        return max(min(found), 0)
+    limit = _read_int(os.path.join(root, "memory", "memory.limit_in_bytes"))
+    if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
+        return None
+    used = (_read_int(os.path.join(root, "memory", "memory.usage_in_bytes")) or 0) - _stat_value(
+        os.path.join(root, "memory", "memory.stat"), "total_inactive_file")
+    return max(limit - max(used, 0), 0)
+
+
+def available_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Host memory this process can still take, in bytes: the machine's ``MemAvailable``, at most
+    what its cgroup's limit leaves; None when neither can be read."""
+    known = [b for b in (_meminfo_available(meminfo), cgroup_memory_available(cgroup_root)) if b is not None]
+    return min(known) if known else None
+
+
+def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what: str = "optim.offload=cpu",
+                      reserve_bytes: float = GiB, meminfo: str = "/proc/meminfo",
+                      cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Refuse, before training, a run whose ranks on this node need more host memory than is free.
+
+    Every rank of the node calls it with its own need before any of them allocates (each then
+    sees the same free memory, and the check counts all ``local_world_size`` shares).
+
+    Args:
+        needed_bytes_per_rank: host bytes one rank will allocate (the estimator's
+            ``host_total``; ``OffloadedMasters.host_bytes()``).
+        local_world_size: ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``).
+        what: the switch that needs the memory, for the message.
+        reserve_bytes: kept free for the rest of the process (the Python heap, loader workers).
+        meminfo, cgroup_root: where to read (tests pass fakes).
+
+    Returns:
+        The available bytes it compared against, or None when nothing could be read (no check).
+
+    Raises:
+        ConfigError: the need (all local ranks, plus the reserve) exceeds what is available; the
+            message has the numbers and what to change.
+    """
+    from ddptrain.config import ConfigError
+
+    available = available_host_memory(meminfo, cgroup_root)
+    if available is None:
+        return None
+    need = float(needed_bytes_per_rank) * max(int(local_world_size), 1)
+    if need + reserve_bytes > available:
+        raise ConfigError(
+            f"{what}: the {local_world_size} rank(s) on this node need {need / GiB:.1f} GiB of host memory "
+            f"({float(needed_bytes_per_rank) / GiB:.1f} GiB each) + {reserve_bytes / GiB:.1f} GiB kept free, but "
+            f"{available / GiB:.1f} GiB is available (MemAvailable / the cgroup's memory limit): spread the run over "
+            f"more nodes (each rank holds 1/N of the state), train fewer parameters (LoRA), raise the "
+            f"container's memory limit, or turn {what.split('=')[0]} off (python -m ddptrain.memory shows each figure)")
+    return available
+
+
+def _config_from(path: str, overrides: Sequence[str]):
+    """A training YAML's library sections (a recipe's own sections are left out) + overrides."""
+    import dataclasses
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from ddptrain.config import Config, ConfigError, load_config
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    known = {f.name for f in dataclasses.fields(Config)}
+    mine = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path)).items() if k in known}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(mine)))
+    try:
+        return load_config(f.name, list(overrides))
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(f.name, path)) from None
+    finally:
+        os.unlink(f.name)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddptrain.memory",
+                                description="Per-GPU model-state memory of a ddptrain run (params, grads, "
+                                            "optimizer state, DDP buckets), with or without ZeRO, sharded "
+                                            "gradients, optimizer offload or a streamed frozen base, and the host "
+                                            "memory those use. GiB = 2**30 bytes, as trainer.gpu_memory_gb.",
+                                epilog="With --config, key=value overrides may follow (as for training).")
+    p.add_argument("--params", type=float, help="number of parameters, e.g. 1.54e9")
+    p.add_argument("--trainable", type=float, default=None,
+                   help="how many of them train (default: all; e.g. a LoRA's adapter parameters)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a shipped workload's parameter counts (instead of --params/--trainable): "
+                        + "; ".join(f"{k}: {v['title']}" for k, v in PRESETS.items()))
+    p.add_argument("--config", help="read optim / trainer / dist / lora keys from this training YAML "
+                                     "(flags given here override it)")
+    p.add_argument("--table", action="store_true",
+                   help="with --params or --preset: what fits 16/24/48/80 GB cards at 1, 2, 4 and 8 GPUs, per "
+                        "memory tier; alone: the what-fits-where table (sizes x GPUs x full/LoRA) for 139 GiB GPUs")
+    p.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs)")
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="ranks per node, for the host memory per node (default: --world-size)")
+    p.add_argument("--zero", action="store_true", help="optim.zero=true (shard the optimizer state)")
+    p.add_argument("--shard-grads", action="store_true", help="optim.shard_grads=true (each rank reduces into "
+                                                              "its own gradient shard)")
+    p.add_argument("--offload", action="store_true", help="optim.offload=cpu (masters + optimizer state in "
+                                                          "pinned host memory; needs --param-dtype bf16)")
+    p.add_argument("--offload-chunk-mb", type=float, default=None, help="optim.offload_chunk_mb (default 256)")
+    p.add_argument("--base-offload", action="store_true", help="lora.base_offload=cpu (the frozen base streamed "
+                                                               "from pinned host memory)")
+    p.add_argument("--stream-ahead", type=int, default=None, help="lora.stream_ahead (default 1): the ring holds "
+                                                                  "this many blocks + 1")
+    p.add_argument("--stream-ring-gb", type=float, default=None,
+                   help="GiB of the streamed base's ring on the GPU (largest block x (stream_ahead + 1)); "
+                        "needed with --params, a preset knows it")
+    p.add_argument("--activations-gb", type=float, default=None,
+                   help="GiB of activations per GPU, e.g. measured with ddptrain.memory.measure_activations")
+    p.add_argument("--optim", default=None, choices=["adamw", "adam", "sgd"], help="optim.name (default adamw)")
+    p.add_argument("--no-momentum", action="store_true", help="SGD without momentum")
+    p.add_argument("--no-bucket-view", action="store_true", help="dist.gradient_as_bucket_view=false")
+    p.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"], help="default bf16")
+    p.add_argument("--param-dtype", default=None, choices=["fp32", "bf16"],
+                   help="trainer.param_dtype (bf16: bf16 model + fp32 master weights; needs --precision bf16; "
+                        "default fp32)")
+    args, overrides = p.parse_known_args(argv)
+    if overrides and not args.config:
+        p.error(f"unrecognized arguments: {' '.join(overrides)} (key=value overrides need --config)")
+    preset = PRESETS.get(args.preset) if args.preset else None
+    if preset and args.params is not None:
+        p.error("--preset gives the parameter counts: leave out --params")
+    num_params = preset["params"] if preset else args.params
+    trainable = preset["trainable"] if preset and args.trainable is None else args.trainable
+    activations = None if args.activations_gb is None else args.activations_gb * GiB
+
+    from ddptrain.config import Config, ConfigError
+
+    if args.config:
+        try:
+            cfg = _config_from(args.config, overrides)
+        except ConfigError as e:
+            p.error(str(e))
+    else:
+        cfg = Config()
+        cfg.trainer.precision = "bf16"  # the command line's defaults (a training config's are fp32)
+    cfg.optim.name = args.optim or cfg.optim.name
+    cfg.optim.zero = cfg.optim.zero or args.zero
     cfg.optim.momentum = 0.0 if args.no_momentum else cfg.optim.momentum
-    cfg.dist.gradient_as_bucket_view = not args.no_bucket_view
-    cfg.trainer.precision, cfg.trainer.param_dtype = args.precision, args.param_dtype
-    est = estimate_model_state(args.params, cfg, args.world_size, args.trainable)
-    title = (f"{args.params:.3g} parameters"
-             f"{f' ({args.trainable:.3g} trainable)' if args.trainable is not None else ''}, "
-             f"{args.world_size} GPU(s), optim={args.optim}"
-             f"{' + ZeRO' if cfg.optim.zero and args.world_size > 1 else ''}, precision={args.precision}"
-             f"{', param_dtype=bf16' if args.param_dtype == 'bf16' else ''}"
-             f"{', gradient_as_bucket_view=false' if args.no_bucket_view else ''} (per GPU)")
-    print(format_table(est, title))
+    cfg.dist.gradient_as_bucket_view = cfg.dist.gradient_as_bucket_view and not args.no_bucket_view
+    cfg.trainer.precision = args.precision or cfg.trainer.precision
+    cfg.trainer.param_dtype = args.param_dtype or cfg.trainer.param_dtype
+    sw = _switches(cfg)  # plain attribute sets below: the estimate reads these keys with defaults
+    cfg.optim.shard_grads = sw["shard_grads"] or args.shard_grads
+    cfg.optim.offload = "cpu" if sw["offload"] or args.offload else "none"
+    cfg.optim.offload_chunk_mb = args.offload_chunk_mb or sw["chunk_mb"]
+    cfg.lora.base_offload = "cpu" if sw["streamed"] or args.base_offload else "none"
+    cfg.lora.stream_ahead = sw["ring"] - 1 if args.stream_ahead is None else args.stream_ahead
+
+    block = preset.get("stream_block_params") if preset else None
+    ring = args.stream_ring_gb * GiB if args.stream_ring_gb is not None else (
+        None if block is None else 2 * block * (cfg.lora.stream_ahead + 1))
+    resident = preset.get("stream_resident_params", 0) if preset else 0
+    if args.table:
+        if num_params is None:
+            print(fits_table())
+            return 0
+        print(cards_table(num_params, trainable, activations=activations,
+                          stream_block_bytes=None if ring is None else ring / (cfg.lora.stream_ahead + 1),
+                          stream_resident=resident, chunk_mb=cfg.optim.offload_chunk_mb,
+                          stream_ahead=cfg.lora.stream_ahead, title=preset["title"] if preset else ""))
+        return 0
+    if num_params is None:
+        p.error("--params or --preset is required (or --table)")
+    if cfg.optim.offload == "cpu" and cfg.trainer.param_dtype != "bf16":
+        p.error("--offload needs --param-dtype bf16 (optim.offload=cpu needs trainer.param_dtype=bf16)")
+    if cfg.lora.base_offload == "cpu" and ring is None:
+        p.error("--base-offload with --params needs --stream-ring-gb (the GPU ring of streamed blocks)")
+    est = estimate_model_state(num_params, cfg, args.world_size, trainable, stream_ring_bytes=ring,
+                               stream_resident=resident)
+    o = cfg.optim
+    tiers = [" + ZeRO" if o.zero and args.world_size > 1 else "",
+             " + sharded grads" if o.shard_grads and args.world_size > 1 else "",
+             " + optimizer offload" if o.offload == "cpu" else "",
+             " + streamed base" if cfg.lora.base_offload == "cpu" else ""]
+    title = (f"{preset['title'] + ': ' if preset else ''}{num_params:.3g} parameters"
+             f"{f' ({trainable:.3g} trainable)' if trainable is not None else ''}, "
+             f"{args.world_size} GPU(s), optim={o.name}{''.join(tiers)}, precision={cfg.trainer.precision}"
+             f"{', param_dtype=bf16' if cfg.trainer.param_dtype == 'bf16' else ''}"
+             f"{', gradient_as_bucket_view=false' if not cfg.dist.gradient_as_bucket_view else ''} (per GPU)")
+    print(format_table(est, title, args.local_world_size or args.world_size, activations))
     return 0
 
 

@@ -92,7 +92,9 @@ class CudaMemory:
         return float(torch.cuda.memory_allocated(self.device))
 
     def capacity(self) -> float:
-        return float(torch.cuda.get_device_properties(self.device).total_memory)
+        """The memory this process may use: the GPU's, or ``trainer.gpu_memory_gb``'s cap of it."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return float(total * torch.cuda.get_per_process_memory_fraction(self.device))
 
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device)

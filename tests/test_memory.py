@@ -242,3 +242,271 @@ def test_sharded_masters_estimate_against_real_tensors(tmp_path):
     assert sum(masters) == 4 * est["num_trainable"] and max(masters) == est["masters"] < 4 * est["num_trainable"]
     assert max(master_grads) == est["master_grads"] == max(masters)
     assert sum(optimizer) == 8 * est["num_trainable"] and max(optimizer) == est["optimizer"]
+
+
+# ----------------------------------------------------------------------------- the memory tiers (issue 28)
+
+from ddptrain.config import ConfigError  # noqa: E402
+from ddptrain.memory import (PRESETS, cards_table, check_host_memory, estimate_model_state as _est,  # noqa: E402
+                             measure_activations, stream_blocks)
+
+_BF = ("trainer.precision=bf16", "trainer.param_dtype=bf16")
+_CHUNK = f"optim.offload_chunk_mb={1000 * 2 / 2**20!r}"  # 1000 bf16 elements a chunk
+
+
+def _tier(name):
+    zero, shard_grads, offload = {"ddp": (False, False, False), "zero": (True, False, False),
+                                  "shard_grads": (True, True, False), "offload": (True, True, True),
+                                  "offload_full_grads": (False, False, True)}[name]
+    cfg = _cfg(*_BF, _CHUNK, f"optim.zero={str(zero).lower()}", f"optim.offload={'cpu' if offload else 'none'}")
+    cfg.optim.shard_grads = shard_grads  # set by hand: the estimate reads the key wherever ddptrain defines it
+    return cfg
+
+
+# GPU model state (at rest) of 8,000 trainable bf16 parameters, by hand: 16 B; 4 + 12/N;
+# 2 + 2/N + 12/N; 2 + 2/N (offload with sharded grads); 2 + 2 (offload, whole grads)
+TIER_TOTALS = {
+    "ddp": {1: 128_000, 2: 128_000, 4: 128_000, 8: 128_000},
+    "zero": {1: 128_000, 2: 80_000, 4: 56_000, 8: 44_000},
+    "shard_grads": {1: 128_000, 2: 72_000, 4: 44_000, 8: 30_000},
+    "offload": {1: 32_000, 2: 24_000, 4: 20_000, 8: 18_000},
+    "offload_full_grads": {1: 32_000, 2: 32_000, 4: 32_000, 8: 32_000},
+}
+
+
+@pytest.mark.parametrize("tier", sorted(TIER_TOTALS))
+@pytest.mark.parametrize("n_gpus", [1, 2, 4, 8])
+def test_each_tier_by_count(tier, n_gpus):
+    n = 8000
+    est = _est(n, _tier(tier), n_gpus)
+    assert est["total"] == TIER_TOTALS[tier][n_gpus]
+    own = n // n_gpus if tier != "ddp" else n  # the rank's share of masters / Adam state
+    if tier.startswith("offload"):
+        assert est["masters"] == est["optimizer"] == est["master_grads"] == 0
+        # host, per rank: 4 (master) + 8 (AdamW) + 2 (bf16 staging) per owned parameter + one fp32 chunk
+        assert (est["host_masters"], est["host_optimizer"], est["host_grads"]) == (4 * own, 8 * own, 2 * own)
+        assert est["host_scratch"] == 4 * min(own, 1000)
+        assert est["host_total"] == 14 * own + 4 * min(own, 1000)
+    else:
+        assert est["host_total"] == 0
+        assert est["master_grads"] == 4 * (own if n_gpus > 1 and tier != "ddp" else n)
+
+
+class Blocks(nn.Module):
+    """Embedding 80, four 100-parameter blocks in a ModuleList, a 60-parameter head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 10)
+        self.layers = nn.ModuleList([nn.Linear(10, 10, bias=False) for _ in range(4)])
+        self.head = nn.Linear(10, 6, bias=False)
+
+    def forward(self, tok):
+        h = self.emb(tok)
+        for layer in self.layers:
+            h = layer(h).relu()
+        return self.head(h)
+
+
+def test_model_path_offload_partition_and_chunks():
+    chunk = f"optim.offload_chunk_mb={150 * 2 / 2**20!r}"  # 150 elements
+    cfg = _cfg(*_BF, "optim.zero=true", "optim.offload=cpu", chunk)
+    # 2 ranks, whole tensors largest first: rank 0 {layer0, layer2, emb} = 280, rank 1 {layer1, layer3, head} = 260;
+    # rank 0's chunks in model order: emb+layer0 = 180 (cut at >= 150), layer2 = 100
+    est = _est(Blocks(), cfg, 2)
+    assert (est["host_masters"], est["host_optimizer"], est["host_grads"], est["host_scratch"]) == (
+        4 * 280, 8 * 280, 2 * 280, 4 * 180)
+    assert est["params"] == 2 * 540 and est["grads"] == 2 * 540 and est["total"] == 4 * 540
+    sg = _est(Blocks(), _tier("shard_grads"), 4)
+    assert sg["grads"] == 2 * 180 and sg["masters"] == 4 * 180  # rank 0 of 4: layer0 + emb
+    assert sg["total"] == 2 * 540 + 14 * 180
+    # one rank: every tensor its own; chunks 180 | 200 | 160 -> the largest is 200
+    one = _est(Blocks(), cfg, 1)
+    assert one["host_total"] == 14 * 540 + 4 * 200
+
+
+def test_model_path_offload_matches_offloaded_masters():
+    offload = pytest.importorskip("ddptrain.offload")
+    torch.manual_seed(0)
+    chunk_mb = 150 * 2 / 2**20
+    est = _est(Blocks(), _cfg(*_BF, "optim.offload=cpu", f"optim.offload_chunk_mb={chunk_mb!r}"), 1)
+    real = offload.OffloadedMasters(Blocks(), torch.bfloat16, chunk_mb)
+    assert real.host_bytes() == est["host_total"]
+
+
+def test_model_path_streamed_base():
+    from ddptrain.lora import apply_lora
+
+    model = Blocks()
+    apply_lora(model, ["layers.*"], rank=2)  # 40 adapter parameters a block; emb and head frozen
+    cfg = _cfg(*_BF)
+    cfg.lora.base_offload, cfg.lora.stream_ahead = "cpu", 1  # as lora.enabled would have it (set by hand here)
+    est = _est(model, cfg, 1)
+    assert est["num_trainable"] == 160
+    assert est["stream_ring"] == 2 * (2 * 100)  # (stream_ahead + 1) blocks of 100 bf16 weights
+    assert est["params"] == 2 * 160 + 2 * (80 + 60)  # adapters + the frozen weights outside the blocks
+    assert est["host_base"] == est["host_total"] == 2 * 400
+    assert est["total"] == est["params"] + est["stream_ring"] + 2 * 160 + 4 * 160 + 8 * 160
+    assert [len(list(b.parameters())) for b in stream_blocks(model)] == [3, 3, 3, 3]  # weight + lora_A/B
+    assert stream_blocks(model, ["layers.1", "layers.3"]) == [model.layers[1], model.layers[3]]
+    try:
+        from ddptrain.streamed_base import find_blocks
+    except ImportError:
+        return
+    assert [m for _, m in find_blocks(model)] == stream_blocks(model)
+
+
+def test_streamed_base_by_count_needs_the_ring():
+    cfg = _cfg(*_BF)
+    cfg.lora.base_offload = "cpu"
+    with pytest.raises(ValueError, match="stream_ring_bytes"):
+        _est(1000, cfg, 1, trainable=10)
+    est = _est(1000, cfg, 1, trainable=10, stream_ring_bytes=300, stream_resident=90)
+    assert est["params"] == 2 * (10 + 90) and est["stream_ring"] == 300
+    assert est["host_base"] == 2 * (1000 - 10 - 90) and est["total"] == 200 + 300 + 10 * 14
+
+
+def _cell(text, label, col):
+    row = next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+    return row.split("|")[col + 1].strip()
+
+
+def test_cards_table_cells_of_a_preset(capsys):
+    assert main(["--table", "--preset", "glm-asr-nano"]) == 0
+    text = capsys.readouterr().out
+    assert "state only" in text and "GLM-ASR-Nano-2512" in text
+    # 2 GPUs, sharded masters: (4 + 12/2) x 2.14e9 = 21.4e9 B + 4/2 x 2.14e9 transient = 25.68e9 B = 23.9 GiB
+    assert _cell(text, "+ sharded masters (optim.zero)", 2) == "23.9 (24+)"
+    assert _cell(text, "DDP, bf16 weights + fp32 masters", 1) == "39.9 (48+)"  # 20 B x 2.14e9
+    # 8 GPUs with offload: (2 + 2/8) x 2.14e9 = 4.815e9 B = 4.5 GiB; host per rank
+    # 14 x 2.675e8 + 4 x 2**27 (one 256 MB chunk of bf16 gradients, widened) = 4.282e9 B = 4.0 GiB, x 8 a node
+    assert _cell(text, "+ optimizer offload (optim.offload: cpu)", 4) == "4.5 (16+)"
+    assert _cell(text, "&nbsp;&nbsp;host GiB per rank / node", 4) == "4.0 / 31.9"
+    assert "LoRA" not in text
+    # an activation term moves cells to larger cards: 21.4e9 + 6 GiB = 25.9 GiB > 24
+    text = cards_table(2.14e9, activations=6 * 2**30)
+    assert _cell(text, "+ sharded masters (optim.zero)", 2) == "23.9 (48+)"
+    assert "6.0 GiB of activations" in text
+
+
+def test_cards_table_lora_preset_streamed():
+    p = PRESETS["glm4v-9b-lora"]
+    assert (p["params"], p["trainable"]) == (10_340_372_992, 47_595_520)  # bench_9b.py's measured counts
+    cfg = _cfg(*_BF, "optim.zero=true")
+    cfg.lora.base_offload = "cpu"
+    ring = 2 * 2 * p["stream_block_params"]  # two bf16 decoder layers
+    est = _est(p["params"], cfg, 1, p["trainable"], stream_ring_bytes=ring, stream_resident=p["stream_resident_params"])
+    assert est["total"] + est["master_grads"] == ring + 2 * p["stream_resident_params"] + 20 * p["trainable"]
+    assert est["host_base"] == 2 * (p["params"] - p["trainable"] - p["stream_resident_params"])
+    text = cards_table(p["params"], p["trainable"], stream_block_bytes=ring / 2,
+                       stream_resident=p["stream_resident_params"])
+    got = (est["total"] + est["master_grads"]) / 2**30
+    assert _cell(text, "LoRA, streamed base (lora.base_offload: cpu)", 1) == f"{got:.1f} (16+)"
+    assert _cell(text, "&nbsp;&nbsp;host GiB per rank / node", 4) == \
+        f"{est['host_base'] / 2**30:.1f} / {8 * est['host_base'] / 2**30:.1f}"
+    assert "DDP, bf16" not in text and "LoRA, bf16 frozen base" in text
+
+
+def _line(text, name):
+    """The GB, GiB and B/param columns of a format_table row."""
+    return next(line for line in text.splitlines() if line.startswith(name)).split()[-3:]
+
+
+def test_cli_new_flags(capsys, tmp_path):
+    # sharded grads + offload, 2 GPUs: (2 + 1) x 8e9 = 24 GB on the GPU; host 14 x 4e9 + 4 x 2**27 per rank
+    assert main(["--params", "8e9", "--world-size", "2", "--param-dtype", "bf16", "--zero", "--shard-grads",
+                 "--offload"]) == 0
+    text = capsys.readouterr().out
+    assert "sharded grads" in text and "optimizer offload" in text
+    assert _line(text, "total model state")[0] == "24.00"
+    assert _line(text, "host total per rank")[0] == f"{(56e9 + 4 * 2**27) / 1e9:.2f}"
+    assert _line(text, "host total per node (2 ranks)")[0] == f"{2 * (56e9 + 4 * 2**27) / 1e9:.2f}"
+    assert main(["--params", "8e9", "--world-size", "2", "--param-dtype", "bf16", "--offload",
+                 "--offload-chunk-mb", "1024", "--local-world-size", "1"]) == 0
+    text = capsys.readouterr().out
+    assert _line(text, "host: fp32 gradient chunk")[1] == "2.00"  # 4 x 2**29 B = 2 GiB
+    assert "per node" not in text
+    # a streamed base: the ring by hand, the activations added to the peak
+    assert main(["--params", "1e9", "--trainable", "1e6", "--param-dtype", "bf16", "--base-offload",
+                 "--stream-ring-gb", "0.5", "--stream-ahead", "2", "--activations-gb", "3"]) == 0
+    text = capsys.readouterr().out
+    assert _line(text, "streamed base ring")[1] == "0.50" and _line(text, "+ activations (one step)")[1] == "3.00"
+    assert _line(text, "host: frozen base (pinned)")[1] == f"{2 * 999e6 / 2**30:.2f}"
+    assert _line(text, "peak per GPU")[0] == f"{(2e6 + 2**29 + 14e6 + 3 * 2**30) / 1e9:.2f}"
+    assert main(["--preset", "glm4v-9b-lora", "--param-dtype", "bf16", "--base-offload"]) == 0
+    assert _line(capsys.readouterr().out, "streamed base ring")[0] == f"{4 * 203_969_024 / 1e9:.2f}"
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--trainable", "1e6", "--base-offload"])  # no ring
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--offload"])  # offload needs bf16 weights
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "optim.zero=true"])  # an override without --config
+    # a training YAML (a recipe's own sections left out) + overrides, flags on top
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("glmasr:\n  path: /nowhere\ntrainer:\n  precision: bf16\n  param_dtype: bf16\n"
+                    "optim:\n  offload: cpu\n")
+    assert main(["--config", str(yaml), "--params", "8e9", "--world-size", "2", "--shard-grads", "optim.zero=true"]) == 0
+    assert _line(capsys.readouterr().out, "total model state")[0] == "24.00"
+    with pytest.raises(SystemExit):
+        main(["--config", str(yaml), "--params", "8e9", "optim.offlaod=cpu"])  # the config's own error
+
+
+def test_measure_activations_says_it_cannot_on_cpu():
+    model = Blocks()
+    with pytest.warns(UserWarning, match="CUDA"):
+        got = measure_activations(model, lambda m, b: (m(b).float().sum(), b.numel()), torch.tensor([1, 2]))
+    assert got is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measure_activations_on_cuda():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+    x = torch.randn(2048, 1024)
+    got = measure_activations(model, lambda m, b: (m(b).float().square().sum(), b.shape[0]), x)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert got["at_rest"] == pytest.approx(2 * weights, rel=0.01)  # the weights + the gradients the step made
+    # at least the input, the bf16 hidden activations (pre- and post-GELU) and the fp32 output
+    assert got["activations"] >= 2048 * 1024 * 4 + 2 * 2048 * 4096 * 2 + 2048 * 1024 * 4
+    assert got["peak"] == got["at_rest"] + got["activations"]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _meminfo(tmp_path, gib):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       999999999 kB\nMemFree:          1000 kB\nMemAvailable:   {gib * 2**20} kB\n")
+    return str(path)
+
+
+def _cgroup_files(root, files):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(root)
+
+
+@pytest.mark.parametrize("files, available_gib", [
+    ({}, 10),                                                           # no cgroup: MemAvailable
+    ({"memory.max": "max\n", "memory.current": "0\n"}, 10),            # v2, no limit
+    ({"memory.max": f"{8 * 2**30}\n", "memory.current": f"{3 * 2**30}\n",
+      "memory.stat": f"anon 1\ninactive_file {2**30}\n"}, 6),         # v2: 8 - (3 - 1 reclaimable)
+    ({"memory/memory.limit_in_bytes": f"{4 * 2**30}\n", "memory/memory.usage_in_bytes": f"{2**30}\n"}, 3),  # v1
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, 10),   # v1, no limit
+])
+def test_check_host_memory_reads_meminfo_and_cgroup(tmp_path, files, available_gib):
+    meminfo, root = _meminfo(tmp_path, 10), _cgroup_files(tmp_path / "cg", files)
+    (tmp_path / "cg").mkdir(exist_ok=True)
+    half = (available_gib - 1) / 2 * 2**30  # two ranks' shares + the 1 GiB reserve: exactly what is there
+    assert check_host_memory(half, 2, meminfo=meminfo, cgroup_root=root) == available_gib * 2**30
+    with pytest.raises(ConfigError) as e:
+        check_host_memory(half + 2**20, 2, meminfo=meminfo, cgroup_root=root)
+    msg = str(e.value)
+    assert "optim.offload=cpu" in msg and f"{available_gib:.1f} GiB is available" in msg and "2 rank(s)" in msg
+    assert "more nodes" in msg  # what to change
+
+
+def test_check_host_memory_without_anything_to_read(tmp_path):
+    assert check_host_memory(1e15, 8, meminfo=str(tmp_path / "none"), cgroup_root=str(tmp_path)) is None
+    with pytest.raises(ConfigError, match="lora.base_offload=cpu"):
+        check_host_memory(2 * 2**30, 1, what="lora.base_offload=cpu", meminfo=_meminfo(tmp_path, 2),
+                          cgroup_root=str(tmp_path))
