@@ -18,6 +18,9 @@ compile caches do not leak between them.
   encoded once beforehand (that time is in the row as ``prepare_s``), batches of
   ``data.max_duration`` padded latent seconds from ``DurationBucketSampler``, bf16 autocast,
   fp32 weights, eager.
+* ``ddptrain_offload_md320`` / ``_md240``: ``ddptrain_best`` at 320 / 240 padded latent seconds
+  with ``optim.offload=cpu`` (masters and AdamW on the host), for ``--gpu-memory-gb G``: every
+  peer capped at G GiB (the rows carry ``gpu_memory_gb``).
 * ``ddptrain_best``: + bf16 weights with fp32 masters (``trainer.param_dtype=bf16``) and the
   MiniCPM layers compiled (regional, dynamic shapes); ``ddptrain_best_md320``: + 320 padded
   latent seconds per batch over 10 buckets (the 4.10x row of BENCHMARKS.md). More variants:
@@ -71,6 +74,10 @@ OVERRIDES = {
                       "compile.module_classes=[MiniCPMDecoderLayer]"],
 }
 OVERRIDES["ddptrain_best_md320"] = OVERRIDES["ddptrain_best"] + ["data.max_duration=320", "data.num_buckets=10"]
+# on a small card: the masters and AdamW on the host (optim.offload), so activations get the GPU
+OVERRIDES["ddptrain_offload_md320"] = OVERRIDES["ddptrain_best_md320"] + ["optim.offload=cpu"]
+OVERRIDES["ddptrain_offload_md240"] = OVERRIDES["ddptrain_best"] + ["data.max_duration=240", "data.num_buckets=10",
+                                                                     "optim.offload=cpu"]
 
 
 def device() -> torch.device:
@@ -178,15 +185,23 @@ def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> di
             "peak_alloc_gb": None if peaks[0] is None else max(peaks), "peak_alloc_gb_per_gpu": peaks,
             "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, **extra}
+            "torch": torch.__version__, "gpu_memory_gb": args.gpu_memory_gb or None, **extra}
 
 
 # ------------------------------------------------------------------------------------ peers
 
 
+def cap_gpu_memory(gib: float) -> None:
+    """The allocator cap for the upstream peer (ddptrain peers use trainer.gpu_memory_gb)."""
+    if gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
+
+
 def run_upstream(args) -> dict:
     from models import voxcpm_tts as vt
 
+    cap_gpu_memory(args.gpu_memory_gb)
     model, vae, layout = make_model(args)
     dev = device()
     d, ids = corpus(args, layout.lm_config.vocab_size)
@@ -250,7 +265,8 @@ def run_ddptrain(args) -> dict:
         f"trainer.output_dir={args.tmp}/{args.peer}", f"trainer.max_steps={args.as_world * (args.warmup + args.steps)}",
         "trainer.eval_every=0", "checkpoint.save_at_end=false", "logging.tensorboard=false",
         "logging.progress_bar=false", "logging.log_every=10", f"data.num_workers={0 if args.dry else 2}", f"data.max_duration={args.max_duration}",
-        "tts.num_samples=0", *ov, *(["trainer.precision=fp32", "trainer.param_dtype=fp32", "trainer.device=cpu",
+        "tts.num_samples=0", *ov, *([f"trainer.gpu_memory_gb={args.gpu_memory_gb}"] if args.gpu_memory_gb else []),
+        *(["trainer.device=cpu", *([] if "optim.offload=cpu" in ov else ["trainer.precision=fp32", "trainer.param_dtype=fp32"]),
                                      "data.num_buckets=2", "compile.enabled=false",
                                      f"data.max_duration={args.max_duration}"] if args.dry else [])],
         schema=ft.RecipeConfig)
@@ -352,6 +368,7 @@ def main(argv=None) -> int:
     p.add_argument("--inline", action="store_true", help="run the peers in this process (CPU dry runs: one import)")
     p.add_argument("--nproc", type=int, default=1, help="GPUs per ddptrain peer (torchrun)")
     p.add_argument("--as-world", type=int, default=1, help="one GPU trained on the batches of an N-GPU run")
+    p.add_argument("--gpu-memory-gb", type=float, default=0.0, help="cap every peer's GPU memory at this many GiB")
     p.add_argument("--peer", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--tmp", default="")
@@ -389,9 +406,12 @@ def main(argv=None) -> int:
             cmd = launch + [os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
                             "--batch", str(args.batch), "--max-duration", str(args.max_duration), "--utterances",
                             str(args.utterances), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                            "--as-world", str(args.as_world)]
+                            "--as-world", str(args.as_world), "--gpu-memory-gb", str(args.gpu_memory_gb)]
             cmd += ["--dry"] * args.dry + [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.dry else "4"))
+            if any("optim.offload=cpu" in o for o in OVERRIDES.get(peer, [])) and "OMP_NUM_THREADS" not in os.environ:
+                env.pop("OMP_NUM_THREADS")  # the host update is the step's longest part: every core
+
             tic = time.time()
             try:
                 proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, env=env)
@@ -402,6 +422,7 @@ def main(argv=None) -> int:
                 row = {"peer": peer, "error": f"did not finish within {args.timeout:.0f} s",
                        "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
         row.setdefault("workload", "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts")
+        row.setdefault("gpu_memory_gb", args.gpu_memory_gb or None)
         row["wall_s"] = round(time.time() - tic, 1)
         failed += not ok
         print(json.dumps(row)[:3000], flush=True)
