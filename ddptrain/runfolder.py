@@ -12,7 +12,13 @@ checkpoints and overwrite some of them. So:
   or overwritten (see checkpoint.py).
 * a new run (``checkpoint.resume: none``) in a folder that holds another run's checkpoints is
   refused with what to do, unless ``checkpoint.start_over: true``: then that run's files are
-  moved, not deleted, to ``<output_dir>/archive/<time>/``.
+  moved, not deleted, to ``<output_dir>/archive/<time>/``: all of them (a recipe's report.json
+  and samples too), except the inputs the new run's config names (a tokenizer file kept there).
+  A previous run that left files but no complete checkpoint has nothing to resume or to refuse
+  for: its files are moved the same way, and the new run says so.
+* every file in the folder belongs to a run and is appended to or archived, never silently
+  replaced: the logs append, a resume appends its changes to config.yaml, and a recipe writes
+  its own files with :func:`write_file`, which moves the version it replaces to the archive.
 
 flock is advisory and local to one machine's kernel (on NFS it depends on the mount): it stops
 the common accident of two launches on one folder, not a determined second writer.
@@ -20,6 +26,7 @@ the common accident of two launches on one folder, not a determined second write
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -35,7 +42,8 @@ from ddptrain.checkpoint import (CheckpointError, check_writable, checkpoint_roo
                                  newest_intact, read_checksums, resolve)
 
 LOCK = ".lock"
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml")
+ARCHIVE = "archive"
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml")  # what tells that a run was here
 
 
 class FolderLock:
@@ -100,9 +108,10 @@ def open_run(cfg: Any, is_main: bool, device: torch.device) -> tuple[Optional[Fo
             # the newest checkpoint whose files match their checksums (a damaged newer one is named)
             path = None if want in ("", "none") else newest_intact(checkpoint_root(out)) if want == "auto" \
                 else resolve(want)
-            archived, run_id = claim(out, path, c.start_over)
+            archived, run_id = claim(out, path, c.start_over, keep=_inputs(cfg))
             if archived:
-                print(f"checkpoint.start_over: moved the previous run's files to {archived}")
+                print(f"{'checkpoint.start_over: ' if c.start_over else 'a new run: '}moved the previous run's "
+                      f"files ({', '.join(sorted(os.listdir(archived)))}) to {archived}")
             decision = (path, run_id)
         except CheckpointError as e:
             if lock is not None:
@@ -116,13 +125,15 @@ def open_run(cfg: Any, is_main: bool, device: torch.device) -> tuple[Optional[Fo
     return (lock, *decision)
 
 
-def claim(output_dir: str, resuming_from: Optional[str], start_over: bool) -> tuple[Optional[str], str]:
+def claim(output_dir: str, resuming_from: Optional[str], start_over: bool,
+          keep: frozenset = frozenset()) -> tuple[Optional[str], str]:
     """Decide whose folder this is, on rank 0, before any file of the new run is written.
 
     Args:
         output_dir: the run folder.
         resuming_from: the checkpoint this run resumes from, or None for a new run.
         start_over: ``checkpoint.start_over``: archive another run's files instead of refusing.
+        keep: real paths of the new run's inputs (:func:`_inputs`): never moved to the archive.
 
     Returns:
         ``(archived_to or None, run_id)``: a resume of this folder's own checkpoint keeps its
@@ -136,22 +147,113 @@ def claim(output_dir: str, resuming_from: Optional[str], start_over: bool) -> tu
     if resuming_from is not None:
         own = os.path.realpath(os.path.dirname(os.path.normpath(resuming_from))) == os.path.realpath(root)
         run_id = _meta_run_id(resuming_from) if own else None
-        if own or not existing:
+        if own:
             return None, run_id or new_run_id()
-    if not existing:
-        return None, new_run_id()
+    if not existing:  # a new run; files of one that saved no checkpoint go to the archive
+        leftovers = _leftovers(output_dir, keep)
+        if not any(name in RUN_FILES for name in leftovers):
+            return None, new_run_id()  # the user's own files, no run's: left alone
+        return _move(output_dir, leftovers), new_run_id()
     if not start_over:
         raise CheckpointError(
             f"{output_dir} holds another run's checkpoints ({len(existing)}, newest "
             f"{os.path.basename(existing[-1][1])}). To continue that run set checkpoint.resume=auto; "
             f"to keep it and start a new one, give this run another trainer.output_dir; to start over "
             f"here, set checkpoint.start_over=true (its files are moved to {output_dir}/archive/, not deleted)")
-    archive = os.path.join(output_dir, "archive", time.strftime("%Y%m%d-%H%M%S"))
-    os.makedirs(archive, exist_ok=True)
-    for name in RUN_FILES:
-        if os.path.exists(os.path.join(output_dir, name)):
-            os.rename(os.path.join(output_dir, name), os.path.join(archive, name))
-    return archive, new_run_id()
+    return _move(output_dir, _leftovers(output_dir, keep)), new_run_id()
+
+
+def write_file(output_dir: str, name: str, text: str, say=print) -> Optional[str]:
+    """Write a file of the run (a recipe's report.json, say) into its folder, atomically; a
+    different version already there is moved to ``<output_dir>/archive/<time>/`` first (and said),
+    so a resumed or repeated run never drops what an earlier launch wrote. Rank 0 only.
+
+    Returns:
+        Where the replaced version went, or None (no file, or the same text).
+    """
+    path = os.path.join(output_dir, name)
+    moved = None
+    try:
+        with open(path, "rb") as f:
+            same = f.read() == text.encode()
+    except FileNotFoundError:
+        same = True
+    if not same:
+        folder = _archive_folder(output_dir)
+        moved = os.path.join(folder, name)
+        os.makedirs(os.path.dirname(moved), exist_ok=True)
+        os.rename(path, moved)
+        say(f"{path}: the version it replaces is kept as {moved}")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return moved
+
+
+def _archive_folder(output_dir: str) -> str:
+    """A new ``archive/<time>`` folder (``-2``, ``-3``... within one second: never merged into)."""
+    base = os.path.join(output_dir, ARCHIVE, time.strftime("%Y%m%d-%H%M%S"))
+    for n in range(1, 10000):
+        folder = base if n == 1 else f"{base}-{n}"
+        try:
+            os.makedirs(folder)
+            return folder
+        except FileExistsError:
+            continue
+    raise CheckpointError(f"cannot make an archive folder in {output_dir}/{ARCHIVE}")
+
+
+def _leftovers(output_dir: str, keep: frozenset) -> list[str]:
+    """The folder's entries a previous run may own: all but the lock, the archive, an empty
+    checkpoints folder (made by this run's write check) and the inputs in ``keep``."""
+    out = []
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        if name in (LOCK, ARCHIVE) or (name == "checkpoints" and os.path.isdir(path) and not os.listdir(path)):
+            continue
+        real = os.path.realpath(path)
+        if any(k == real or k.startswith(real + os.sep) for k in keep):
+            continue  # an input of this run (or a folder holding one)
+        out.append(name)
+    return out
+
+
+def _move(output_dir: str, names: list[str]) -> Optional[str]:
+    if not names:
+        return None
+    archive = _archive_folder(output_dir)
+    for name in names:
+        os.rename(os.path.join(output_dir, name), os.path.join(archive, name))
+    return archive
+
+
+def _inputs(cfg: Any) -> frozenset:
+    """Real paths of the existing files and folders that the config's string values name."""
+    found, seen = set(), set()
+
+    def walk(v):
+        if id(v) in seen:
+            return
+        seen.add(id(v))
+        if isinstance(v, str):
+            if v.strip() and os.path.exists(v):
+                found.add(os.path.realpath(v))
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif dataclasses.is_dataclass(v):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name, None))
+
+    walk(cfg)
+    found.discard(os.path.realpath(cfg.trainer.output_dir))  # the folder itself is no input
+    return frozenset(found)
 
 
 def new_run_id() -> str:

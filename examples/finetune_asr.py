@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ddptrain  # noqa: E402
-from ddptrain import metrics  # noqa: E402
+from ddptrain import metrics, runfolder  # noqa: E402
 from ddptrain.data import build_dataloader, load_or_build_tokenizer  # noqa: E402
 from models.conformer_ctc import ConformerCTC, ConformerCTCConfig, ctc_greedy_decode  # noqa: E402
 
@@ -57,7 +57,8 @@ class CTCObjective:
     """The loss contract for CTC: (sum of per-utterance CTC losses, number of target tokens).
 
     Also computes features on the GPU when ``data.feature_device: gpu`` (the loader then yields
-    padded audio), so training and evaluation share one path.
+    padded audio), so training and evaluation share one path; the extractor's ``for_model``
+    masks (SpecAugment) only while the model trains (``Trainer.evaluate`` sets ``eval()``).
     """
 
     def __init__(self, tokenizer, feature_extractor=None):
@@ -67,9 +68,7 @@ class CTCObjective:
     def _features(self, model, batch):
         if self.features is None:
             return batch["features"], batch["feature_lens"]
-        # SpecAugment is for training only: follow the model's mode (Trainer.evaluate sets eval)
-        self.features.train(model.training).to(batch["audio"].device)
-        out = self.features(batch["audio"], batch["audio_lens"])
+        out = self.features.for_model(model, batch)
         return out["features"], out["feature_lens"]
 
     def __call__(self, model, batch):
@@ -139,6 +138,8 @@ def main(argv: list[str]) -> dict:
     summary = {"before": {}, "after": {}}
     if cfg.model.init_from and trainer.step == 0:  # the starting point, for a before/after comparison
         summary["before"] = {p: evaluate_on(trainer, loader) for p, loader in tests.items()}
+    elif trainer.step > 0:  # a resume: the run's first launch measured the starting point
+        summary["before"] = {p: v for p, v in previous_report(cfg).get("before", {}).items() if p in tests}
     start = time.time()
     trainer.fit()
     summary["train_seconds"] = round(time.time() - start, 1)
@@ -146,10 +147,18 @@ def main(argv: list[str]) -> dict:
     trainer.close()  # after the test-set evaluations: they are logged too
     if info.is_main:
         print_summary(summary)
-        with open(os.path.join(cfg.trainer.output_dir, cfg.demo.report), "w") as f:
-            json.dump(summary, f, indent=1)
+        runfolder.write_file(cfg.trainer.output_dir, cfg.demo.report, json.dumps(summary, indent=1))  # keeps the old one
     ddptrain.dist.teardown()
     return summary
+
+
+def previous_report(cfg: ASRConfig) -> dict:
+    """The report an earlier launch of this run wrote ({} if none)."""
+    try:
+        with open(os.path.join(cfg.trainer.output_dir, cfg.demo.report)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def evaluate_on(trainer: ddptrain.Trainer, loader) -> dict:

@@ -107,3 +107,21 @@ def test_test_set_metrics_after_fit_reach_metrics_jsonl(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     test_rows = [r for r in rows if r["split"] == "test"]
     assert test_rows and "wer" in test_rows[0] and test_rows[0]["step"] == 2
+
+
+def test_resuming_a_finished_run_keeps_its_report(tmp_path):
+    """issue 30, item 2: the report of a resumed run keeps the before-fine-tuning numbers, and the
+    version it replaces goes to the run's archive."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import finetune_asr
+
+    manifest = tiny_manifest(tmp_path, n=4)
+    finetune_asr.main(_in_process_args(tmp_path / "one", manifest, "trainer.max_steps=1"))
+    args = _in_process_args(tmp_path, manifest, f"model.init_from={tmp_path}/one/run")
+    first = finetune_asr.main(args)
+    assert first["before"]
+    again = finetune_asr.main(args + ["checkpoint.resume=auto"])  # a finished run, resumed
+    report = json.load(open(tmp_path / "run" / "report.json"))
+    assert report["before"] == first["before"] == again["before"]
+    archived = glob.glob(str(tmp_path / "run" / "archive" / "*" / "report.json"))
+    assert all(json.load(open(p))["before"] == first["before"] for p in archived)

@@ -112,3 +112,45 @@ def test_resume_paths_say_what_they_are(tmp_path):
     (tmp_path / "junk").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="is not a ddptrain checkpoint"):
         _trainer(tmp_path / "d", f"checkpoint.resume={tmp_path / 'junk'}")
+
+
+# ------------------------------------------------- every file in the folder is a run's (issue 30, item 2)
+
+
+def test_start_over_archives_every_file_of_the_previous_run_but_the_inputs_it_reads(tmp_path):
+    _trainer(tmp_path, "checkpoint.every_steps=2").fit()
+    (tmp_path / "report.json").write_text('{"before": {"x": 1}}')  # what a recipe wrote after fit
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "tokenizer.json").write_text("{}")  # an input the new run's config names: it stays
+    t = _trainer(tmp_path, "checkpoint.start_over=true", f"data.tokenizer={tmp_path / 'tokenizer.json'}")
+    t.close()
+    archived = list((tmp_path / "archive").iterdir())
+    assert len(archived) == 1
+    assert {"report.json", "samples", "checkpoints", "metrics.jsonl", "config.yaml"} <= set(os.listdir(archived[0]))
+    assert json.load(open(archived[0] / "report.json")) == {"before": {"x": 1}}
+    assert not (tmp_path / "report.json").exists() and (tmp_path / "tokenizer.json").exists()
+
+
+def test_a_new_run_archives_what_a_run_without_checkpoints_left_behind(tmp_path, capsys):
+    _trainer(tmp_path, "checkpoint.save_at_end=false").fit()  # no checkpoint: nothing to resume or refuse
+    first = (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    _trainer(tmp_path, "checkpoint.save_at_end=false", "trainer.max_steps=2").fit()
+    archived = list((tmp_path / "archive").iterdir())
+    assert len(archived) == 1 and (archived[0] / "metrics.jsonl").read_text() == first
+    assert "moved" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert max(steps) == 2  # the new run's own log, not appended to the old one's
+
+
+def test_write_file_archives_the_version_it_replaces(tmp_path):
+    from ddptrain.runfolder import write_file
+
+    write_file(str(tmp_path), "report.json", '{"a": 1}')
+    write_file(str(tmp_path), "report.json", '{"a": 1}')  # the same text: nothing to keep
+    assert not (tmp_path / "archive").exists()
+    old = write_file(str(tmp_path), "report.json", '{"a": 2}')
+    assert open(old).read() == '{"a": 1}' and os.path.dirname(os.path.dirname(old)) == str(tmp_path / "archive")
+    assert (tmp_path / "report.json").read_text() == '{"a": 2}'
+    again = write_file(str(tmp_path), "report.json", '{"a": 3}')  # within the same second: its own folder
+    assert again != old and open(again).read() == '{"a": 2}' and open(old).read() == '{"a": 1}'
