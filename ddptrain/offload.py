@@ -35,6 +35,7 @@ chunk of fp32 gradient scratch. On a CPU run (the tests) the same code runs with
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -139,6 +140,8 @@ class OffloadedMasters:
                 if b is not None and b.is_floating_point() and id(b) not in keep:
                     setattr(m, name, b.to(dtype))
         chunk_elems = max(1, int(chunk_mb * 2**20 / 2))
+        owned = [p.numel() for p, o in zip(self.trainable, owners) if o == self.rank]
+        _check_host_memory(sum(owned) * host_bytes_per_param() + min(max(owned), chunk_elems) * 4, self.device)
         self.buckets: list[_Bucket] = []
         for r in range(self.world_size):
             for kept in (False, True):
@@ -289,6 +292,26 @@ def _step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
         if grads:
             torch._foreach_div_(grads, grad_scale)
         optimizer.step()
+
+
+def _check_host_memory(need: int, device: torch.device) -> None:
+    """Refuse now, on every rank, when this node's ranks would not fit their shares in host
+    memory: each rank checks before any allocates, and the verdict is agreed collectively."""
+    from ddptrain.config import ConfigError
+    from ddptrain.memory import check_host_memory
+
+    error = None
+    try:
+        check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ConfigError as e:
+        error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ok = torch.tensor([0.0 if error else 1.0], device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() == 0 and error is None:
+            error = ConfigError("optim.offload=cpu: another rank found too little host memory (its error says how much)")
+    if error is not None:
+        raise error
 
 
 def prepare(model: nn.Module, chunk_mb: float, device: torch.device) -> OffloadedMasters:
