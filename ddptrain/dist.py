@@ -129,8 +129,9 @@ def gpu_memory_fraction(gib: float, total_memory: int) -> float:
     from ddptrain.config import ConfigError
 
     if gib * 2**30 > total_memory:
+        most = int(total_memory / 2**30 * 100) / 100  # rounded down: the largest cap that is accepted
         raise ConfigError(f"trainer.gpu_memory_gb={gib:g} is more than this GPU's {total_memory / 2**30:.2f} GiB "
-                          f"(total_memory): set it to at most {int(total_memory / 2**30 * 100) / 100:g}, or 0 for no cap")
+                          f"(total_memory): set it to at most {most:g}, or 0 for no cap")
     return float(gib * 2**30 / total_memory)
 
 

@@ -79,7 +79,6 @@ Command line::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import warnings
@@ -366,7 +365,8 @@ def format_table(est: dict, title: str = "", local_world_size: int = 1,
         lines.append(f"{name:32s}{b / 1e9:10.2f}{b / 2**30:10.2f}{b / n:10.2f}")
     if est.get("host_total"):
         host = [("host: fp32 master weights", est["host_masters"]), ("host: optimizer state", est["host_optimizer"]),
-                ("host: gradient/weight staging", est["host_grads"]), ("host: fp32 gradient chunk", est["host_scratch"]),
+                ("host: gradient/weight staging", est["host_grads"]),
+                ("host: fp32 gradient chunk", est["host_scratch"]),
                 ("host: frozen base (pinned)", est["host_base"]), ("host total per rank", est["host_total"])]
         if local_world_size > 1:
             host.append((f"host total per node ({local_world_size} ranks)", est["host_total"] * local_world_size))
@@ -415,7 +415,8 @@ def _tier_config(zero: bool = False, shard_grads: bool = False, offload: bool = 
     cfg = Config()
     cfg.trainer.precision, cfg.trainer.param_dtype, cfg.optim.zero = "bf16", "bf16", zero
     # plain attribute sets: the estimate reads these keys with defaults, whichever ddptrain defines them
-    cfg.optim.shard_grads, cfg.optim.offload, cfg.optim.offload_chunk_mb = shard_grads, "cpu" if offload else "none", chunk_mb
+    cfg.optim.shard_grads, cfg.optim.offload_chunk_mb = shard_grads, chunk_mb
+    cfg.optim.offload = "cpu" if offload else "none"
     cfg.lora.base_offload, cfg.lora.stream_ahead = "cpu" if streamed else "none", stream_ahead
     return cfg
 
@@ -486,6 +487,8 @@ def cards_table(num_params: float, trainable: Optional[float] = None, gpus: Sequ
               f"('24+': 24 GiB and larger, 'no': none).",
               f"Fits by: {act}. Host rows: pinned host GiB per rank / per node (all the GPUs on one node).",
               "", *rows]
+    if lora and stream_block_bytes is None:
+        lines.append("(the streamed-base row needs the ring: --stream-ring-gb, or a --preset)")
     return "\n".join(lines)
 
 

@@ -445,7 +445,8 @@ def test_cli_new_flags(capsys, tmp_path):
     yaml = tmp_path / "run.yaml"
     yaml.write_text("glmasr:\n  path: /nowhere\ntrainer:\n  precision: bf16\n  param_dtype: bf16\n"
                     "optim:\n  offload: cpu\n")
-    assert main(["--config", str(yaml), "--params", "8e9", "--world-size", "2", "--shard-grads", "optim.zero=true"]) == 0
+    assert main(["--config", str(yaml), "--params", "8e9", "--world-size", "2", "--shard-grads",
+                 "optim.zero=true"]) == 0
     assert _line(capsys.readouterr().out, "total model state")[0] == "24.00"
     with pytest.raises(SystemExit):
         main(["--config", str(yaml), "--params", "8e9", "optim.offlaod=cpu"])  # the config's own error
