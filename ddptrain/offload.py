@@ -131,7 +131,7 @@ class OffloadedMasters:
                              f"tensors for {self.world_size} ranks")
         self.device = self.trainable[0].device
         self.cuda = self.device.type == "cuda"
-        owners = partition([p.numel() for p in self.trainable], self.world_size)
+        self.owners = owners = partition([p.numel() for p in self.trainable], self.world_size)  # optim.shard_grads reads it
         for p in model.parameters():
             if not p.requires_grad and p.is_floating_point() and id(p) not in keep:
                 p.data = p.data.to(dtype)
