@@ -142,6 +142,9 @@ class LoraConfig:
     alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter's input (training only)
     trainable: list[str] = field(default_factory=list)  # parameter-name globs that stay trainable besides the adapters (a new head, norms)
+    base_offload: str = "none"  # cpu: the frozen weights of the repeated blocks live in pinned host memory and are streamed to a GPU ring of stream_ahead + 1 blocks, a block ahead of use (forward and backward; exact, ddptrain/streamed_base.py); for a base that does not fit the GPU
+    stream_blocks: list[str] = field(default_factory=list)  # lora.base_offload: module-name globs of the blocks to stream, e.g. ["model.layers.*"]; empty = the children of the model's largest nn.ModuleList
+    stream_ahead: int = 1  # lora.base_offload: blocks whose weights are copied ahead of the one computing (the ring holds stream_ahead + 1)
 
 
 @dataclass
@@ -376,6 +379,9 @@ RULES: dict[str, Rule] = {
     "lora.alpha": above(0),
     "lora.dropout": within(0, 1, high_open=True),
     "lora.trainable": items(not_empty()),
+    "lora.base_offload": switch("none", "cpu"),
+    "lora.stream_blocks": items(not_empty()),
+    "lora.stream_ahead": at_least(1),
     "data.train_manifest": ANY,
     "data.eval_manifest": ANY,
     "data.train_sources": entries(not_empty()),
@@ -437,6 +443,16 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
      "optim.nesterov=true needs optim.momentum > 0"),
     (("lora.enabled", "lora.targets"), lambda on, targets: not on or bool(targets),
      "lora.enabled=true needs lora.targets (module-name globs of the nn.Linear layers to adapt)"),
+    (("lora.base_offload", "lora.enabled"), lambda offload, on: offload == "none" or on,
+     "lora.base_offload=cpu streams the frozen base of a LoRA run: set lora.enabled=true (and lora.targets), "
+     "or lora.base_offload=none"),
+    (("lora.base_offload", "compile.enabled"), lambda offload, compile_: offload == "none" or not compile_,
+     "lora.base_offload=cpu runs the streamed blocks eagerly (their weights change storage at every call): "
+     "set compile.enabled=false"),
+    (("lora.base_offload", "recompute.offload", "recompute.enabled"),
+     lambda base, acts, recompute: base == "none" or acts == "none" or recompute,
+     "lora.base_offload=cpu with recompute.offload=cpu needs recompute.enabled=true: without recompute, activation "
+     "offload's saved-tensor hooks would keep the streamed weights' ring memory as it is (overwritten by then)"),
     (("checkpoint.trainable_only", "checkpoint.base_model"), lambda only, base: not only or bool(str(base).strip()),
      "checkpoint.trainable_only=true needs checkpoint.base_model (the weights the frozen parameters come from: "
      "load_weights reads them before the checkpoint's own)"),

@@ -41,6 +41,7 @@ from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, Train
 from ddptrain.recompute import apply_recompute
 from ddptrain.sharded_masters import ShardedMasterWeights
 from ddptrain.steps import StepStream, stateful_sampler
+from ddptrain.streamed_base import place_model, stream_base
 from ddptrain.update import StepUpdate
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
@@ -104,7 +105,8 @@ class Trainer:
     def _setup_model(self, model: nn.Module) -> None:
         """Device, LoRA, recompute, compile, master weights, DDP: the order each of them needs."""
         cfg = self.cfg
-        model, lc = model.to(self.device), cfg.lora  # LoRA first: recompute/compile/masters/DDP see its parameters
+        # lora.base_offload: the streamed base stays off the GPU; LoRA first: recompute/compile/masters/DDP see its params
+        model, lc = place_model(model, self.device, cfg), cfg.lora
         self.adapted = apply_lora(model, lc.targets, lc.rank, lc.alpha, lc.dropout, lc.trainable) if lc.enabled else []
         self.recomputed: list[str] = []
         if cfg.recompute.enabled:
@@ -119,6 +121,7 @@ class Trainer:
                 self.master = offload.prepare(model, cfg.optim.offload_chunk_mb, self.device)
             else:
                 self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
+        self.streamed = stream_base(model, cfg, self.device, self.recomputed)  # after the masters' casts, before DDP
         self.module = model
         self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
         if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
