@@ -16,6 +16,7 @@ User scripts extend the schema by subclassing :class:`Config` and adding their o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -512,6 +513,23 @@ def check_section(section: Any, name: str) -> Any:
     """
     fixed = _check({name: section}, {})
     return fixed[name]
+
+
+def check_config(cfg: Any) -> Any:
+    """Check a whole config however it was built (``load_config``, or a ``Config()`` made and
+    changed in Python) against the same tables as :func:`load_config`; the Trainer calls it at
+    its start, so ``best_mode="MIN"`` or ``precision="BF16"`` mean what they mean at load and
+    ``max_epochs=0`` is refused instead of saving an untrained checkpoint.
+
+    Returns:
+        A shallow copy of ``cfg`` with canonical values (the caller's object is left as it was).
+
+    Raises:
+        ConfigError: a value or combination the tables reject; the message names the key.
+    """
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_object(cfg)
+    return _check(copy.copy(cfg), {})
 
 
 def _check(root: Any, origins: dict[str, str]) -> Any:

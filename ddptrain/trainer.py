@@ -28,7 +28,7 @@ from ddptrain import checkpoint as ckpt
 from ddptrain import dist, resume, runfolder
 from ddptrain import offload, preflight
 from ddptrain.compile import apply_compile, compile_whole
-from ddptrain.config import Config, ConfigError, to_yaml
+from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
@@ -70,6 +70,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, config: Config, train_data: Iterable,
                  eval_data: Optional[Iterable] = None, metrics_fn: Optional[MetricsFn] = None):
+        config = check_config(config)  # a Config built in Python gets load_config's checks too
         self.cfg, self.loss_fn, self.metrics_fn = config, loss_fn, metrics_fn
         self.train_data, self.eval_data = train_data, eval_data
         t = config.trainer

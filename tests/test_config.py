@@ -290,3 +290,45 @@ def test_a_recipe_rule_for_a_key_the_config_lacks_is_an_error():
         load_config(None, schema=_toy_schema({"toy.m": at_least(1)}))
     with pytest.raises(ConfigError, match=r"names keys the config does not have: toy.k"):
         load_config(None, schema=_toy_schema(together=[(("toy.k",), lambda k: True, "")]))
+
+
+# --------------------------------------------- a Config built in Python is checked too (issue 30, item 5)
+
+
+def _python_config(tmp_path, **trainer):
+    cfg = ddptrain.Config()
+    cfg.trainer.output_dir = str(tmp_path)
+    cfg.trainer.max_steps = 2
+    cfg.logging.progress_bar = False
+    for k, v in trainer.items():
+        setattr(cfg.trainer, k, v)
+    return cfg
+
+
+def _python_trainer(cfg):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4, 3), "y": torch.randn(4)} for _ in range(2)]
+    loss = lambda m, b: (((m(b["x"]).squeeze(-1) - b["y"]) ** 2).sum(), 4)  # noqa: E731
+    return ddptrain.Trainer(nn.Linear(3, 1), loss, cfg, data, eval_data=data[:1])
+
+
+def test_the_trainer_checks_a_config_built_in_python(tmp_path):
+    import os
+
+    cfg = _python_config(tmp_path / "a", precision="BF16")
+    cfg.checkpoint.best_mode, cfg.checkpoint.keep_best = "MIN", 1
+    t = _python_trainer(cfg)
+    assert t.cfg.checkpoint.best_mode == "min" and t.cfg.trainer.precision == "bf16"
+    assert cfg.checkpoint.best_mode == "MIN"  # the caller's object is left as it was
+    t.fit()
+    cfg = _python_config(tmp_path / "b", max_steps=0, max_epochs=0)
+    with pytest.raises(ConfigError, match="trainer.max_epochs must be >= 1 when trainer.max_steps=0"):
+        _python_trainer(cfg)
+    assert not os.path.exists(tmp_path / "b" / "checkpoints" / "step_00000000")
+    cfg = _python_config(tmp_path / "c")
+    cfg.optim.lr = -1.0
+    with pytest.raises(ConfigError, match=r"optim.lr=-1.0 must be > 0"):
+        _python_trainer(cfg)
