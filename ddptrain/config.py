@@ -122,6 +122,7 @@ class RecomputeConfig:
     module_classes: list[str] = field(default_factory=list)  # wrap modules of these class names
     name_globs: list[str] = field(default_factory=list)  # ... and/or modules whose names match these globs
     every_k: int = 1  # wrap only every k-th matching module (1 = all): memory/speed trade-off
+    offload: str = "none"  # cpu: the saved tensors of the selected modules wait in pinned host memory for the backward (side-stream copies, prefetched): with recompute.enabled the inputs each recomputed block keeps, without it every tensor saved inside the selected modules (ddptrain/activation_offload.py)
 
 
 @dataclass
@@ -367,6 +368,7 @@ RULES: dict[str, Rule] = {
     "recompute.module_classes": ANY,
     "recompute.name_globs": ANY,
     "recompute.every_k": at_least(1),
+    "recompute.offload": switch("none", "cpu"),
     "compile.enabled": ANY,
     "compile.module_classes": ANY,
     "compile.name_globs": ANY,
@@ -460,6 +462,13 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
     (("recompute.enabled", "recompute.module_classes", "recompute.name_globs"),
      lambda on, classes, globs: not on or bool(classes) or bool(globs),
      "recompute.enabled=true needs recompute.module_classes or recompute.name_globs (which modules to recompute)"),
+    (("recompute.offload", "recompute.module_classes", "recompute.name_globs"),
+     lambda offload, classes, globs: offload == "none" or bool(classes) or bool(globs),
+     "recompute.offload=cpu needs recompute.module_classes or recompute.name_globs (whose saved tensors go to host memory)"),
+    (("recompute.offload", "recompute.enabled", "compile.enabled", "compile.module_classes", "compile.name_globs"),
+     lambda offload, recompute, compile_, classes, globs: offload == "none" or recompute or not compile_ or bool(classes or globs),
+     "recompute.offload=cpu without recompute.enabled needs a regional compile (compile.module_classes or "
+     "compile.name_globs) or none: a whole-model torch.compile does not run the saved-tensor hooks that offload"),
     (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
      "data.train_manifest and data.train_sources both name the training data: set one of them"),
     (("data.eval_manifest", "data.eval_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),

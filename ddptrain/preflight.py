@@ -39,9 +39,9 @@ GB = 1e9
 # The config keys that change the memory of a step; a budget file records them and the Trainer
 # refuses a file measured under other values.
 MEMORY_KEYS = ("trainer.precision", "trainer.param_dtype", "recompute.enabled", "recompute.module_classes",
-               "recompute.name_globs", "recompute.every_k", "compile.enabled", "compile.module_classes",
-               "compile.name_globs", "compile.mode", "optim.name", "data.features", "data.feature_device",
-               "data.num_mel_bins", "data.pad_to_multiple")
+               "recompute.name_globs", "recompute.every_k", "recompute.offload", "compile.enabled",
+               "compile.module_classes", "compile.name_globs", "compile.mode", "optim.name", "data.features",
+               "data.feature_device", "data.num_mel_bins", "data.pad_to_multiple")
 
 
 class PreflightError(RuntimeError):

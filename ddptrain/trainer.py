@@ -27,6 +27,7 @@ from torch import nn
 from ddptrain import checkpoint as ckpt
 from ddptrain import dist, resume, runfolder
 from ddptrain import offload, preflight
+from ddptrain.activation_offload import apply_offload
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
@@ -112,6 +113,7 @@ class Trainer:
         self.recomputed: list[str] = []
         if cfg.recompute.enabled:
             self.recomputed = apply_recompute(model, cfg.recompute)
+        self.activation_offload = apply_offload(model, cfg.recompute, self.device)  # recompute.offload: saved tensors to host
         self.compiled = apply_compile(model, cfg.compile)  # regional: selected blocks only
         self.master: Optional[MasterWeights] = None
         if cfg.trainer.param_dtype == "bf16":  # bf16 model, fp32 masters in the optimizer
