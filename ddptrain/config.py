@@ -98,7 +98,7 @@ class CheckpointConfig:
     every_steps: int = 0  # save every N optimizer steps; 0 = only at the end
     save_at_end: bool = True  # save after the last step
     keep_last: int = 3  # keep this many most recent checkpoints (0 = keep all)
-    keep_best: int = 0  # also keep the best K by `best_metric` (0 = off)
+    keep_best: int = 0  # also keep the best K by `best_metric` (0 = off); a scheduled save evaluates first if its step had no evaluation
     best_metric: str = "loss"  # eval metric name for keep_best
     best_mode: str = "min"  # min: a lower best_metric is better; max: a higher one
     resume: str = "none"  # auto: the newest complete checkpoint in output_dir, if any; or a checkpoint path

@@ -193,6 +193,8 @@ class Trainer:
                 if out["stop"]:  # decided from values every rank shares: all ranks stop here
                     self._stop(out["stop"])
                 if c.every_steps > 0 and p.step % c.every_steps == 0:
+                    if c.keep_best > 0 and p.last_eval_step != p.step:
+                        self.evaluate()  # keep_best ranks checkpoints by their metrics: each needs one
                     self.save()
                     self.gc.full()
             if self.eval_data is not None and p.last_eval_step != p.step:

@@ -198,3 +198,19 @@ def test_checkpoints_saved_without_checksums_still_load_and_say_so(tmp_path, cap
     assert f"no {ckpt.CHECKSUMS}" in capsys.readouterr().out
     t.fit()
     assert (tmp_path / "checkpoints" / "step_00000006" / ckpt.CHECKSUMS).exists()
+
+
+def test_keep_best_gets_a_metric_for_every_scheduled_checkpoint(tmp_path):
+    """issue 30, item 6: eval_every=0 (the default) with every_steps>0 left every checkpoint without
+    metrics (the final evaluation came after the last periodic save), so keep_best ranked nothing."""
+    import json
+
+    data = micro_batches(3)[0] * 3
+    cfg = make_cfg(tmp_path, "trainer.max_steps=6", "checkpoint.every_steps=2", "checkpoint.keep_last=0",
+                   "checkpoint.keep_best=1", "trainer.eval_every=0")
+    torch.manual_seed(0)
+    ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data, eval_data=data[:1]).fit()
+    root = tmp_path / "checkpoints"
+    metrics = {p: json.load(open(root / p / "meta.json"))["metrics"] for p in sorted(os.listdir(root))}
+    assert list(metrics) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert all("loss" in m for m in metrics.values()), metrics
