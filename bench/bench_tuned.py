@@ -61,7 +61,7 @@ import workloads  # noqa: E402
 
 import ddptrain  # noqa: E402
 from ddptrain import tune  # noqa: E402
-from ddptrain.data import DurationBucketSampler, SpeechCollator  # noqa: E402
+from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader  # noqa: E402
 
 WORKLOADS = ("wav2vec2", "conformer", "glmasr")
 GB = 1e9
@@ -146,24 +146,22 @@ def build(args, workload: str, cfg):
     if workload == "wav2vec2":
         return model, loss, fhm.build_synthetic_loader(h, data, 1, 0, model.config, collate_wrapper=wrap)
     durations = fhm.synthetic_durations(h, data.seed)
-    sampler = DurationBucketSampler(durations, max_duration=data.max_duration, num_buckets=data.num_buckets,
-                                    sort_pool=data.bucket_sort_pool, seed=data.seed, world_size=1, rank=0)
+    sampler = DurationBucketSampler.from_config(durations, data, True, world_size=1, rank=0)
     collate = wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1))
-    return model, loss, torch.utils.data.DataLoader(workloads.SyntheticFbank(durations, vocab=model.cfg.vocab_size),
-                                                    batch_sampler=sampler, collate_fn=collate,
-                                                    num_workers=data.num_workers, pin_memory=dev.type == "cuda")
+    return model, loss, make_loader(workloads.SyntheticFbank(durations, vocab=model.cfg.vocab_size), sampler, collate,
+                                    data)
 
 
 def with_sampler(loader, **changes):
-    """The same loader over a DurationBucketSampler with the same settings except ``changes``."""
+    """The same loader (``make_loader``, of the loader's ``data_config``) over a
+    DurationBucketSampler with the same settings except ``changes``."""
     s = loader.batch_sampler
     kw = dict(max_duration=s.max_duration, max_batch_size=s.max_batch_size, quadratic_duration=s.quadratic_duration,
               num_buckets=s.num_buckets, tokens=s.tokens, max_tokens=s.max_tokens, sort_pool=s.sort_pool,
               sync_buckets=s.sync_buckets, shuffle=s.shuffle, tail=s.tail, seed=s.seed, world_size=1, rank=0)
-    new = torch.utils.data.DataLoader(loader.dataset, batch_sampler=DurationBucketSampler(s.durations, **{**kw, **changes}),
-                                      collate_fn=loader.collate_fn, num_workers=loader.num_workers,
-                                      pin_memory=loader.pin_memory)
-    new.feature_extractor = getattr(loader, "feature_extractor", None)
+    new = make_loader(loader.dataset, DurationBucketSampler(s.durations, **{**kw, **changes}), loader.collate_fn,
+                      loader.data_config)
+    new.feature_extractor = loader.feature_extractor
     return new
 
 

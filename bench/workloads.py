@@ -152,16 +152,12 @@ def make_loader(workload: str, preset: str, exp: dict, model, flops: Flops, rank
     wrap = lambda c: StatsCollate(c, workload, flops)  # noqa: E731
     h = hf_cfg(workload, preset, exp)
     if workload == "conformer":
-        from ddptrain.data import DurationBucketSampler, SpeechCollator
+        from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader
 
         durs = fhm.synthetic_durations(h, data_cfg.seed)
-        sampler = DurationBucketSampler(durs, max_duration=data_cfg.max_duration, num_buckets=data_cfg.num_buckets,
-                                        sort_pool=data_cfg.bucket_sort_pool, sync_buckets=data_cfg.sync_buckets,
-                                        seed=data_cfg.seed, world_size=ws, rank=rank)
+        sampler = DurationBucketSampler.from_config(durs, data_cfg, True, world_size=ws, rank=rank)
         # targets must be below the model's vocabulary: CPU ctc_loss does not check, and an
         # out-of-range target writes outside its buffers
-        return torch.utils.data.DataLoader(SyntheticFbank(durs, vocab=model.cfg.vocab_size), batch_sampler=sampler,
-                                           collate_fn=wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1)),
-                                           num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available(),
-                                           prefetch_factor=data_cfg.prefetch_factor if data_cfg.num_workers else None)
+        return make_loader(SyntheticFbank(durs, vocab=model.cfg.vocab_size), sampler,
+                           wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1)), data_cfg)
     return fhm.build_synthetic_loader(h, data_cfg, ws, rank, getattr(model, "config", None), collate_wrapper=wrap)

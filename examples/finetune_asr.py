@@ -57,7 +57,8 @@ class CTCObjective:
     """The loss contract for CTC: (sum of per-utterance CTC losses, number of target tokens).
 
     Also computes features on the GPU when ``data.feature_device: gpu`` (the loader then yields
-    padded audio), so training and evaluation share one path.
+    padded audio), so training and evaluation share one path; the extractor's ``for_model``
+    masks (SpecAugment) only while the model trains (``Trainer.evaluate`` sets ``eval()``).
     """
 
     def __init__(self, tokenizer, feature_extractor=None):
@@ -67,9 +68,7 @@ class CTCObjective:
     def _features(self, model, batch):
         if self.features is None:
             return batch["features"], batch["feature_lens"]
-        # SpecAugment is for training only: follow the model's mode (Trainer.evaluate sets eval)
-        self.features.train(model.training).to(batch["audio"].device)
-        out = self.features(batch["audio"], batch["audio_lens"])
+        out = self.features.for_model(model, batch)
         return out["features"], out["feature_lens"]
 
     def __call__(self, model, batch):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -63,9 +64,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ddptrain  # noqa: E402
 from ddptrain import metrics  # noqa: E402
-from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem  # noqa: E402
+from ddptrain.config import at_least, one_of, satisfies  # noqa: E402
+from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
 from ddptrain.data.dataset import BadExample, SpeechDataset  # noqa: E402
-from ddptrain.data.validate import check_entries, keep_good, read_entries  # noqa: E402
+from ddptrain.data.sampler import speed_stretch  # noqa: E402
+from ddptrain.data.validate import budget_problems, check_entries, keep_good, read_entries  # noqa: E402
 from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
                            load_hf_model)
 
@@ -108,29 +111,25 @@ class RecipeConfig(ddptrain.Config):
         "glmasr.preset": "random init: the saved weights have this preset's layout",
     }
     RESUME_FOLDERS: ClassVar[tuple[str, ...]] = ("glmasr.path",)  # moved or copied elsewhere: still accepted
-
-
-_CHOICES = {"preset": ("published", "tiny"), "encoder_length": ("window", "batch"), "long_audio": ("split", "refuse")}
-
-
-def check_recipe_config(g: GlmAsrRecipeConfig, data) -> None:
-    """Raises:
-        ddptrain.ConfigError: a bad value, naming the key.
-    """
-    for key, allowed in _CHOICES.items():
-        if getattr(g, key) not in allowed:
-            raise ddptrain.ConfigError(f"glmasr.{key}={getattr(g, key)!r} is not one of {', '.join(allowed)}")
-    if g.prompt.count("{audio}") != 1:
-        raise ddptrain.ConfigError("glmasr.prompt must contain {audio} exactly once (where the audio placeholders go)")
-    if data.features != "whisper_logmel" or data.normalize != "none":
-        raise ddptrain.ConfigError("GLM-ASR takes Whisper's log-mel: set data.features=whisper_logmel and "
-                                   "data.normalize=none (configs/glmasr.yaml does)")
-    if g.frame_pad_multiple < FRAME_MULTIPLE or g.frame_pad_multiple % FRAME_MULTIPLE:
-        raise ddptrain.ConfigError(f"glmasr.frame_pad_multiple={g.frame_pad_multiple} must be a positive multiple of "
-                                   f"{FRAME_MULTIPLE} (the encoder merges 8 mel frames into one LLM embedding)")
-    if g.token_pad_multiple < 1 or g.max_tokens < 0 or g.max_new_tokens < 1:
-        raise ddptrain.ConfigError("glmasr.token_pad_multiple and glmasr.max_new_tokens must be >= 1, "
-                                   "glmasr.max_tokens >= 0")
+    # checked at load with the library's (ddptrain/config.py RULES), each error naming its key
+    RULES: ClassVar[dict] = {
+        "glmasr.preset": one_of("published", "tiny"),
+        "glmasr.encoder_length": one_of("window", "batch"),
+        "glmasr.long_audio": one_of("split", "refuse"),
+        "glmasr.prompt": satisfies("text with {audio} once", lambda v: v.count("{audio}") == 1,
+                                   "must contain {audio} exactly once (where the audio placeholders go)"),
+        "glmasr.frame_pad_multiple": satisfies(
+            f"a positive multiple of {FRAME_MULTIPLE}", lambda v: v >= FRAME_MULTIPLE and v % FRAME_MULTIPLE == 0,
+            f"must be a positive multiple of {FRAME_MULTIPLE} (the encoder merges 8 mel frames into one LLM embedding)"),
+        "glmasr.token_pad_multiple": at_least(1),
+        "glmasr.max_tokens": at_least(0),
+        "glmasr.max_new_tokens": at_least(1),
+    }
+    RULES_TOGETHER: ClassVar[list] = [
+        (("data.features", "data.normalize"), lambda kind, normalize: kind == "whisper_logmel" and normalize == "none",
+         "GLM-ASR takes Whisper's log-mel: set data.features=whisper_logmel and data.normalize=none "
+         "(configs/glmasr.yaml does)"),
+    ]
 
 
 # ---------------------------------------------------------------------------------- prompt + tokens
@@ -293,28 +292,22 @@ def audio_cost(durations: np.ndarray, encoder_length: str) -> np.ndarray:
     return np.ceil(durations / 30.0 - 1e-9) * 30.0 if encoder_length == "window" else durations
 
 
+WINDOW_UNIT = "of 30 s encoder windows"  # how a window-costed budget is named in a too-long message
+
+
 def make_sampler(durations: np.ndarray, dec_lens: np.ndarray, g: GlmAsrRecipeConfig, data, train: bool,
                  world_size: int, rank: int) -> DurationBucketSampler:
-    """Buckets on audio cost (whole 30 s windows, or seconds) and decoder length."""
-    return DurationBucketSampler(audio_cost(durations, g.encoder_length), max_duration=data.max_duration,
-                                 max_batch_size=data.max_batch_size, tokens=dec_lens, max_tokens=g.max_tokens,
-                                 num_buckets=data.num_buckets, sort_pool=data.bucket_sort_pool,
-                                 sync_buckets=data.sync_buckets,
-                                 shuffle=data.shuffle and train, tail=data.tail if train else "exact",
-                                 seed=data.seed, world_size=world_size, rank=rank,
-                                 bucket_budgets=data.bucket_budgets if train else None)  # from python -m ddptrain.tune
+    """The library's sampler of ``data``, bucketed on audio cost (whole 30 s windows, or
+    seconds) and decoder length (``glmasr.max_tokens``)."""
+    return DurationBucketSampler.from_config(durations, data, train, cost=functools.partial(
+        audio_cost, encoder_length=g.encoder_length), tokens=dec_lens, max_tokens=g.max_tokens,
+        world_size=world_size, rank=rank)
 
 
-def _loader(dataset, sampler, collate, data) -> DataLoader:
-    workers = max(0, data.num_workers)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                      pin_memory=data.pin_memory and torch.cuda.is_available(),
-                      persistent_workers=data.persistent_workers and workers > 0,
-                      prefetch_factor=data.prefetch_factor if workers > 0 else None,
-                      timeout=data.loader_timeout_s if workers > 0 else 0)
-
-
-def make_collator(cfg, layout: PromptLayout, max_positions: int, train: bool):
+def make_collator(cfg, layout: PromptLayout, max_positions: int, train: bool) -> tuple:
+    """``(collator, extractor or None)``: with ``data.feature_device: gpu`` the collator ships
+    audio and the objective computes the features with the extractor (``make_loader`` attaches
+    the same kind as the loader's ``feature_extractor``)."""
     data, g = cfg.data, cfg.glmasr
     extractor = BatchFeatureExtractor(data).train(train)
     on_gpu = data.feature_device == "gpu"
@@ -328,34 +321,29 @@ def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, la
     """Validated manifest -> bucketed DataLoader of GLM-ASR batches.
 
     Every utterance that cannot be trained on is one problem of ``file:line (id ...)``: a bad
-    line or audio file (the library's checks, with ``data.validate``), audio over 30 s with
-    ``glmasr.long_audio: refuse``, a sequence longer than the LLM's context, or one utterance
-    alone over ``data.max_duration`` (in whole windows with ``encoder_length: window``) or
-    ``glmasr.max_tokens``. ``data.bad_data`` decides: ``error`` lists them all and stops,
-    ``skip`` leaves them out and prints them on rank 0.
+    line or audio file (the library's checks, with ``data.validate``), one alone over
+    ``data.max_duration`` (the library's budget check, through this recipe's cost: whole 30 s
+    windows with ``encoder_length: window``), audio over 30 s with ``glmasr.long_audio:
+    refuse``, a sequence longer than the LLM's context, or one alone over ``glmasr.max_tokens``.
+    ``data.bad_data`` decides: ``error`` lists them all and stops, ``skip`` leaves them out and
+    prints them on rank 0.
 
     Raises:
         DataError: any such problem under ``data.bad_data: error``; no utterance left.
     """
     data, g = cfg.data, cfg.glmasr
     entries, problems = read_entries(manifest)
+    cost = functools.partial(audio_cost, encoder_length=g.encoder_length)
+    unit = WINDOW_UNIT if g.encoder_length == "window" else ""
     if data.validate:
-        # the library's checks, less its batch budget: an utterance costs this recipe whole
-        # 30 s windows (audio_cost), not its seconds, so the budget is checked below, as the
-        # sampler will count it
-        problems += check_entries(entries, dataclasses.replace(data, max_duration=math.inf), tokenizer,
-                                  data.validate_decode)
-    speeds = [float(s) for s in data.speed_perturb] if train else []
-    stretch = 1.0 / min(speeds) if speeds else 1.0
-    at_speed = f" at speed {min(speeds)}" if stretch != 1.0 else ""
+        problems += check_entries(entries, data, tokenizer, data.validate_decode, cost=cost, cost_unit=unit)
+    else:
+        problems += budget_problems(entries, [e.duration for e in entries], data, cost, unit)
+    stretch = speed_stretch(data, train)
     hop = int(data.sample_rate * data.frame_shift_ms / 1000)
-    # the sampler refuses an utterance over a budget on its own (by index), unless measured
-    # per-bucket batch sizes (python -m ddptrain.tune) replace the budgets: name it here instead
-    budgeted = not (train and data.bucket_budgets)
-    seconds = np.array([e.duration * stretch for e in entries], dtype=np.float64)
-    costs = audio_cost(seconds, g.encoder_length)
     positions = {}  # id(entry) -> decoder positions, for the sampler's token counts of the kept ones
-    for e, sec, cost in zip(entries, seconds, costs):
+    for e in entries:
+        sec = e.duration * stretch
         n = positions[id(e)] = decoder_length(layout, int(math.ceil(sec * data.sample_rate)),
                                               len(tokenizer.encode(e.text)), hop)
         if g.long_audio == "refuse" and sec > 30.0:
@@ -364,25 +352,17 @@ def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, la
         elif n > max_positions:
             problems.append(Problem(e.source, e.line, e.id, f"{n} decoder positions (prompt + audio + transcript) "
                                     f"exceed the model's context of {max_positions}"))
-        if budgeted and cost > data.max_duration:
-            windows = f" = {cost:.0f}s of 30 s encoder windows" if g.encoder_length == "window" else ""
-            problems.append(Problem(e.source, e.line, e.id, f"too long: {e.duration:.2f}s{at_speed}{windows} does "
-                                    f"not fit in a batch of data.max_duration={data.max_duration}s"))
-        if budgeted and 0 < g.max_tokens < n:
+        if 0 < g.max_tokens < n:
             problems.append(Problem(e.source, e.line, e.id, f"too long: {n} decoder positions do not fit in a batch "
                                     f"of glmasr.max_tokens={g.max_tokens}"))
     # the shared bad-data policy (ddptrain/data/validate.py), with our headline: the default
     # one's `python -m ddptrain.data.validate` knows nothing of this model's limits
     keep = keep_good(entries, problems, data.bad_data, manifest, f"{manifest}: {{summary}} (bad lines, or too long "
                      "for this model or batch budget; data.bad_data=skip leaves them out):", print if rank == 0 else None)
-    durations = np.array([e.duration * stretch for e in keep])
-    dec_lens = np.array([positions[id(e)] for e in keep], dtype=np.float64)
-    sampler = make_sampler(durations, dec_lens, g, data, train, world_size, rank)
     dataset = SpeechDataset(keep, dataclasses.replace(data, features="raw"), tokenizer, train)
-    collate, gpu_features = make_collator(cfg, layout, max_positions, train)
-    loader = _loader(dataset, sampler, collate, data)
-    loader.feature_extractor = gpu_features
-    return loader
+    sampler = make_sampler(dataset.durations, np.array([positions[id(e)] for e in keep], dtype=np.float64), g, data,
+                           train, world_size, rank)
+    return make_loader(dataset, sampler, make_collator(cfg, layout, max_positions, train)[0], data, train)
 
 
 # ---------------------------------------------------------------------------------- synthetic data
@@ -431,12 +411,10 @@ def build_synthetic_loader(cfg, layout: PromptLayout, vocab: int, world_size: in
     hop = int(data.sample_rate * data.frame_shift_ms / 1000)
     dec = np.array([decoder_length(layout, int(x * data.sample_rate), int(k), hop) for x, k in zip(d, n)], np.float64)
     sampler = make_sampler(d, dec, g, data, True, world_size, rank)
-    collate, gpu_features = make_collator(cfg, layout, max_positions, True)
+    collate, _ = make_collator(cfg, layout, max_positions, True)
     # ids below the audio placeholder: a transcript must not contain it (the HF forward counts them)
-    loader = _loader(SyntheticSpeech(d, n, min(vocab, 50000, layout.audio_token_id), layout.eos_id, data.sample_rate), sampler,
-                     collate_wrapper(collate) if collate_wrapper else collate, data)
-    loader.feature_extractor = gpu_features
-    return loader
+    return make_loader(SyntheticSpeech(d, n, min(vocab, 50000, layout.audio_token_id), layout.eos_id, data.sample_rate),
+                       sampler, collate_wrapper(collate) if collate_wrapper else collate, data)
 
 
 # ---------------------------------------------------------------------------------- objective
@@ -446,7 +424,8 @@ class GlmAsrObjective:
     """The loss contract: (sum of cross-entropies of transcript + EOS tokens, their count).
 
     Also the eval metrics (WER/CER of greedy decoding, as error counts the Trainer sums over
-    batches and ranks) and, with ``data.feature_device: gpu``, the features on the device.
+    batches and ranks) and, with ``data.feature_device: gpu``, the features on the device
+    (``BatchFeatureExtractor.for_model``: SpecAugment only while the model trains).
     """
 
     def __init__(self, layout: PromptLayout, tokenizer: Optional[TranscriptTokenizer] = None,
@@ -454,20 +433,19 @@ class GlmAsrObjective:
         self.layout, self.tokenizer, self.extractor = layout, tokenizer, feature_extractor
         self.max_new_tokens = max_new_tokens
 
-    def features(self, batch: dict) -> torch.Tensor:
+    def features(self, model, batch: dict) -> torch.Tensor:
         if "features" in batch:
             return batch["features"]
-        self.extractor.to(batch["audio"].device)
-        return self.extractor(batch["audio"], batch["audio_lens"])["features"][:, :batch["num_frames"]]
+        return self.extractor.for_model(model, batch)["features"][:, :batch["num_frames"]]
 
     def __call__(self, model, batch):
-        logits = model(batch["input_ids"], self.features(batch), batch["audio_src"], batch["audio_dst"],
+        logits = model(batch["input_ids"], self.features(model, batch), batch["audio_src"], batch["audio_dst"],
                        batch["pred_index"])
         loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
         return loss, batch["labels"].numel()
 
     def transcripts(self, model, batch) -> list[str]:
-        ids = model.transcribe(batch, self.features(batch), self.max_new_tokens, self.layout.eos_ids,
+        ids = model.transcribe(batch, self.features(model, batch), self.max_new_tokens, self.layout.eos_ids,
                                self.layout.pad_id)
         return [self.tokenizer.decode(x) for x in ids]
 
@@ -483,7 +461,6 @@ class GlmAsrObjective:
 def build(cfg, info) -> tuple:
     """(model, objective, train loader, eval loader or None, tokenizer or None) for ``cfg``."""
     g = cfg.glmasr
-    check_recipe_config(g, cfg.data)
     hf_tok = load_tokenizer(g)
     if hf_tok is None and (cfg.data.train_manifest or g.preset == "tiny"):
         raise ddptrain.ConfigError("real data (data.train_manifest) and the tiny preset need a tokenizer: "

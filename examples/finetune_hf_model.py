@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -60,7 +61,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import ddptrain
 from ddptrain import metrics
-from ddptrain.data import DurationBucketSampler, SpeechCollator
+from ddptrain.config import at_least, one_of
+from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader
 
 WHISPER_FRAMES = 3000  # 30 s of 10 ms frames: Whisper's encoder only takes full windows
 
@@ -93,6 +95,31 @@ class HFConfig:
 @dataclass
 class FinetuneConfig(ddptrain.Config):
     hf: HFConfig = field(default_factory=HFConfig)
+    # checked at load with the library's (ddptrain/config.py RULES), each error naming its key
+    RULES: ClassVar[dict] = {
+        "hf.model": one_of("wav2vec2", "whisper"),
+        "hf.preset": one_of("large", "tiny"),
+        "hf.batch_size": at_least(1),
+        "hf.token_pad_multiple": at_least(1),
+        "hf.max_new_tokens": at_least(1),
+        "hf.task": one_of("transcribe", "translate"),
+    }
+    RULES_TOGETHER: ClassVar[list] = [
+        (("hf.model", "data.train_manifest", "data.features", "data.normalize"),
+         lambda m, manifest, kind, normalize: m != "whisper" or not str(manifest).strip()
+         or (kind == "whisper_logmel" and normalize == "none"),
+         "hf.model=whisper on manifests takes Whisper's log-mel: set data.features=whisper_logmel "
+         "data.normalize=none (and data.num_mel_bins)"),
+        (("hf.model", "data.train_manifest", "hf.path"),
+         lambda m, manifest, path: m != "whisper" or not str(manifest).strip() or bool(str(path).strip()),
+         "hf.model=whisper on manifests needs hf.path (its tokenizer)"),
+        (("hf.model", "data.train_manifest", "data.features"),
+         lambda m, manifest, kind: m != "wav2vec2" or not str(manifest).strip() or kind == "raw",
+         "hf.model=wav2vec2 on manifests takes data.features=raw (Whisper: data.features=whisper_logmel)"),
+        (("data.features", "data.spec_augment"), lambda kind, augment: kind != "raw" or not augment,
+         "data.spec_augment masks features, and data.features=raw has none: wav2vec2 masks its own inputs "
+         "in training (its config's mask_time_prob)"),
+    ]
 
 
 # ---------------------------------------------------------------------------------- models
@@ -199,7 +226,7 @@ class Seq2SeqLoss:
     ``batch["features"]`` is (B, T, mel) as ddptrain's collator makes it; T is padded to the
     3000 frames of a 30 s window. The decoder input is ``[decoder_start] + tokens[:-1]``. With
     ``data.feature_device: gpu`` the batch carries audio and ``feature_extractor`` (the loader's)
-    computes the features on the device.
+    computes the features on the device (``for_model``: SpecAugment only while the model trains).
     """
 
     def __init__(self, config, token_pad_multiple: int = 1, feature_extractor=None):
@@ -207,14 +234,13 @@ class Seq2SeqLoss:
         self.multiple = max(1, token_pad_multiple)
         self.extractor = feature_extractor
 
-    def features(self, batch) -> torch.Tensor:
+    def features(self, model, batch) -> torch.Tensor:
         if "features" in batch:
             return batch["features"]
-        self.extractor.to(batch["audio"].device)
-        return self.extractor(batch["audio"], batch["audio_lens"])["features"]
+        return self.extractor.for_model(model, batch)["features"]
 
     def __call__(self, model, batch):
-        feats, tokens, tlen = self.features(batch), batch["tokens"], batch["token_lens"]
+        feats, tokens, tlen = self.features(model, batch), batch["tokens"], batch["token_lens"]
         if feats.shape[1] < WHISPER_FRAMES:
             feats = F.pad(feats, (0, 0, 0, WHISPER_FRAMES - feats.shape[1]))
         extra = -tokens.shape[1] % self.multiple  # padded positions are masked out of the loss below
@@ -269,7 +295,7 @@ class WhisperGreedy:
     def transcripts(self, model, batch) -> list[str]:
         from transformers.generation import GenerationMixin
 
-        feats = self.loss.features(batch)
+        feats = self.loss.features(model, batch)
         prefix = torch.tensor([self.targets.prefix] * feats.shape[0], device=feats.device)
         if feats.shape[1] < WHISPER_FRAMES:
             feats = F.pad(feats, (0, 0, 0, WHISPER_FRAMES - feats.shape[1]))
@@ -291,22 +317,14 @@ class WhisperGreedy:
 
 
 def whisper_manifest_data(cfg, h: HFConfig):
-    """(train loader, eval loader or None, WhisperTargets) for Whisper on manifests.
-
-    Raises:
-        ddptrain.ConfigError: data settings Whisper cannot take (features, normalisation).
-    """
+    """(train loader, eval loader or None, WhisperTargets) for Whisper on manifests (the data
+    settings Whisper needs are :class:`FinetuneConfig`'s rules, checked at load)."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
 
     from ddptrain.data import build_dataloader
 
-    if cfg.data.features != "whisper_logmel" or cfg.data.normalize != "none":
-        raise ddptrain.ConfigError("hf.model=whisper on manifests takes Whisper's log-mel: set "
-                                   "data.features=whisper_logmel data.normalize=none (and data.num_mel_bins)")
-    if not h.path:
-        raise ddptrain.ConfigError("hf.model=whisper on manifests needs hf.path (its tokenizer)")
     targets = WhisperTargets(AutoTokenizer.from_pretrained(h.path, local_files_only=True), h.language, h.task)
     # a decoder has no CTC length limit; the encoder takes one 30 s window per utterance
     data = replace(cfg.data, output_frame_rate=0.0, max_utterance_duration=min(
@@ -380,20 +398,13 @@ def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, mo
     """The training loader over a synthetic corpus: bucketed by duration (wav2vec2) or fixed-size
     batches of 30 s windows bucketed by transcript length (whisper). ``collate_wrapper(collate)
     -> collate`` lets a benchmark add per-batch statistics."""
-    loader_kw = dict(num_workers=data_cfg.num_workers, pin_memory=data_cfg.pin_memory and torch.cuda.is_available(),
-                     prefetch_factor=data_cfg.prefetch_factor if data_cfg.num_workers > 0 else None,
-                     persistent_workers=data_cfg.persistent_workers and data_cfg.num_workers > 0)
     if h.model == "wav2vec2":
         durations = synthetic_durations(h, data_cfg.seed)
         vocab = model_config.vocab_size if model_config is not None else h.vocab_size
         dataset = SyntheticAudio(durations, vocab, h.chars_per_second)
-        sampler = DurationBucketSampler(durations, max_duration=data_cfg.max_duration,
-                                        max_batch_size=data_cfg.max_batch_size, num_buckets=data_cfg.num_buckets,
-                                        sort_pool=data_cfg.bucket_sort_pool, sync_buckets=data_cfg.sync_buckets,
-                                        seed=data_cfg.seed, world_size=world_size, rank=rank)
+        sampler = DurationBucketSampler.from_config(durations, data_cfg, True, world_size=world_size, rank=rank)
         collate = SpeechCollator(mode="audio", pad_to_multiple=data_cfg.pad_to_multiple)
-        collate = collate_wrapper(collate) if collate_wrapper else collate
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kw)
+        return make_loader(dataset, sampler, collate_wrapper(collate) if collate_wrapper else collate, data_cfg)
     mel = model_config.num_mel_bins if model_config is not None else 128
     counts = synthetic_token_counts(h, data_cfg.seed)
     dataset = SyntheticWindows(counts, mel)
@@ -401,13 +412,11 @@ def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, mo
     # its budget is batch_size x the longest transcript: every batch holds hf.batch_size windows
     # (the last one of a bucket fewer), of similar decoder length.
     lengths = counts.astype(np.float64) + len(SyntheticWindows.PREFIX) + 1
-    sampler = DurationBucketSampler(lengths, max_duration=h.batch_size * lengths.max(), max_batch_size=h.batch_size,
-                                    num_buckets=data_cfg.num_buckets, sort_pool=data_cfg.bucket_sort_pool,
-                                    sync_buckets=data_cfg.sync_buckets, seed=data_cfg.seed,
-                                    world_size=world_size, rank=rank)
+    sampler = DurationBucketSampler.from_config(lengths, data_cfg, True, world_size=world_size, rank=rank,
+                                                max_duration=h.batch_size * lengths.max(), max_batch_size=h.batch_size,
+                                                quadratic_duration=0.0)  # lengths in tokens: no seconds budget
     collate = SpeechCollator(mode="features", num_mel_bins=mel, pad_to_multiple=1, token_pad_id=50257)
-    collate = collate_wrapper(collate) if collate_wrapper else collate
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, **loader_kw)
+    return make_loader(dataset, sampler, collate_wrapper(collate) if collate_wrapper else collate, data_cfg)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -430,10 +439,7 @@ def main(argv: list[str]) -> dict:
         metrics = WhisperGreedy(targets, loss, h.max_new_tokens) if evals is not None and h.generate_eval else None
         trainer = ddptrain.Trainer(model, loss, cfg, loader, eval_data=evals, metrics_fn=metrics)
         return trainer.fit()
-    if cfg.data.train_manifest:
-        if h.model != "wav2vec2" or cfg.data.features != "raw":
-            raise SystemExit("real manifests: hf.model=wav2vec2 takes data.features=raw (Whisper: "
-                             "data.features=whisper_logmel)")
+    if cfg.data.train_manifest:  # wav2vec2 on raw audio (FinetuneConfig's rules)
         from ddptrain.data import build_dataloader, load_or_build_tokenizer
 
         tok = load_or_build_tokenizer(cfg.data)

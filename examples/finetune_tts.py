@@ -59,8 +59,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ddptrain  # noqa: E402
 from ddptrain import runfolder  # noqa: E402
-from ddptrain.data import DataError, DurationBucketSampler, Problem  # noqa: E402
-from ddptrain.data.validate import keep_good  # noqa: E402
+from ddptrain.config import above, at_least, one_of, satisfies  # noqa: E402
+from ddptrain.data import DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
+from ddptrain.data.validate import budget_problems, keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 from prepare_tts import CachedUtterance, prepare, read_cache  # noqa: E402
 
@@ -93,23 +94,22 @@ class RecipeConfig(ddptrain.Config):
         "tts.vae_seed": "random init: the latents were encoded by the random VAE of this seed",
     }
     RESUME_FOLDERS: ClassVar[tuple[str, ...]] = ("tts.path",)  # moved or copied elsewhere: still accepted
-
-
-def check_recipe_config(cfg) -> None:
-    """Raises:
-        ddptrain.ConfigError: a bad tts.* value, naming the key.
-    """
-    t = cfg.tts
-    if not t.path and t.preset not in vt.PRESETS:
-        raise ddptrain.ConfigError(f"tts.preset={t.preset!r} is not one of {', '.join(vt.PRESETS)}")
-    if t.path and not os.path.isdir(t.path):
-        raise ddptrain.ConfigError(f"tts.path={t.path!r} is not a folder (a VoxCPM checkpoint folder)")
-    for key in ("max_text_tokens", "num_samples", "vae_seed", "sample_seed", "eval_seed"):
-        if getattr(t, key) < 0:
-            raise ddptrain.ConfigError(f"tts.{key} must be >= 0, got {getattr(t, key)}")
-    if t.sample_timesteps < 1 or t.sample_max_ratio <= 0 or t.diff_weight < 0 or t.stop_weight < 0:
-        raise ddptrain.ConfigError("tts.sample_timesteps must be >= 1, tts.sample_max_ratio > 0 and the loss "
-                                   "weights >= 0")
+    # checked at load with the library's (ddptrain/config.py RULES), each error naming its key
+    RULES: ClassVar[dict] = {
+        "tts.path": satisfies("a VoxCPM checkpoint folder | \"\"", lambda v: not v or os.path.isdir(v),
+                              "is not a folder (a VoxCPM checkpoint folder)"),
+        "tts.preset": one_of(*vt.PRESETS),
+        **{f"tts.{k}": at_least(0) for k in ("max_text_tokens", "num_samples", "vae_seed", "sample_seed", "eval_seed",
+                                             "diff_weight", "stop_weight")},
+        "tts.sample_timesteps": at_least(1),
+        "tts.sample_max_ratio": above(0),
+    }
+    RULES_TOGETHER: ClassVar[list] = [
+        (("data.spec_augment", "data.speed_perturb", "data.feature_device"),
+         lambda augment, speeds, device: not augment and not speeds and device == "worker",
+         "TTS trains on VAE latents cached before training (examples/prepare_tts.py): data.spec_augment, "
+         "data.speed_perturb and data.feature_device=gpu would do nothing; leave them off"),
+    ]
 
 
 def compute_dtype(cfg) -> str:
@@ -239,17 +239,15 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     data, t = cfg.data, cfg.tts
     rate = vt.frame_rate(layout.audio_vae_config)
     source = utts[0].source if utts else "(no manifest)"
-    ids, problems = {}, []
+    # the library's budget check, the seconds counted as the sampler counts them
+    problems = budget_problems(utts, [u.frames / rate for u in utts], data, cost_unit="of latent audio")
+    ids = {}
     for u in utts:
         x = ids[u.id] = tokenizer(u.text)
         n = len(x) + u.frames // layout.patch_size + 2
         if n > layout.max_length:
             problems.append(Problem(u.source, u.line, u.id, f"{n} positions (text + latent patches + 2) exceed the "
                                     f"model's max_length {layout.max_length}"))
-        audio_s = u.frames / rate
-        if audio_s > data.max_duration:  # the sampler would refuse it, named by index only
-            problems.append(Problem(u.source, u.line, u.id, f"too long: {audio_s:.2f}s of latent audio does not fit "
-                                    f"in a batch of max_duration={data.max_duration}s"))
         if 0 < t.max_text_tokens < len(x):
             problems.append(Problem(u.source, u.line, u.id, f"too long: {len(x)} text tokens do not fit in a batch of "
                                     f"tts.max_text_tokens={t.max_text_tokens}"))
@@ -259,20 +257,11 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     keep = keep_good(utts, problems, data.bad_data, source, f"{source}: {{summary}} for this model and batch "
                      "budget (data.bad_data=skip leaves them out):", print if rank == 0 else None)
     ids = [ids[u.id] for u in keep]
-    seconds = np.array([u.frames / rate for u in keep])
-    sampler = DurationBucketSampler(seconds, max_duration=data.max_duration, max_batch_size=data.max_batch_size,
-                                    tokens=np.array([len(x) for x in ids], dtype=np.float64),
-                                    max_tokens=t.max_text_tokens, num_buckets=data.num_buckets,
-                                    sort_pool=data.bucket_sort_pool, sync_buckets=data.sync_buckets,
-                                    shuffle=data.shuffle and train, tail=data.tail if train else "exact",
-                                    seed=data.seed, world_size=world_size, rank=rank)
-    workers = max(0, data.num_workers)
-    return DataLoader(LatentDataset(keep, ids), batch_sampler=sampler,
-                      collate_fn=TTSCollator(layout.patch_size, data.pad_to_multiple), num_workers=workers,
-                      pin_memory=data.pin_memory and torch.cuda.is_available(),
-                      persistent_workers=data.persistent_workers and workers > 0,
-                      prefetch_factor=data.prefetch_factor if workers > 0 else None,
-                      timeout=data.loader_timeout_s if workers > 0 else 0)
+    sampler = DurationBucketSampler.from_config(np.array([u.frames / rate for u in keep]), data, train,
+                                                tokens=np.array([len(x) for x in ids], dtype=np.float64),
+                                                max_tokens=t.max_text_tokens, world_size=world_size, rank=rank)
+    return make_loader(LatentDataset(keep, ids), sampler, TTSCollator(layout.patch_size, data.pad_to_multiple), data,
+                       train)
 
 
 # ---------------------------------------------------------------------------------- objective
@@ -378,7 +367,6 @@ class Built:
 
 def build_model(cfg, info) -> Built:
     """The model (VAE removed), the VAE and the tokenizer for ``cfg``."""
-    check_recipe_config(cfg)
     device = str(info.device)
     if cfg.tts.path:
         model, vae, hf_tok = vt.load_pretrained(cfg.tts.path, device, compute_dtype(cfg))

@@ -259,6 +259,23 @@ def test_gpu_feature_path_gives_the_worker_loss(assets, tmp_path):
     torch.testing.assert_close(lg, lw, atol=1e-4, rtol=1e-5)
 
 
+def test_eval_features_are_not_spec_augmented_with_gpu_features(assets, tmp_path):
+    """feature_device=gpu: the objective computes features with the training loader's extractor;
+    they follow the model's mode (before, evaluation and generation saw SpecAugment masks)."""
+    aug = ("data.shuffle=false", "data.spec_augment=true", "data.time_mask_ratio=0.5", "data.freq_mask_width=60",
+           f"data.eval_manifest={assets['train']}")
+    _, model, obj_w, _, evals_w, _ = built(assets, tmp_path, *aug)
+    _, _, obj_g, _, evals_g, _ = built(assets, tmp_path, *aug, "data.feature_device=gpu")
+    bw, bg = first_batch(evals_w), first_batch(evals_g)
+    model.eval()
+    with torch.no_grad():
+        lw, _ = obj_w(model, bw)  # worker features of an evaluation loader: never masked
+        lg, _ = obj_g(model, bg)
+    torch.testing.assert_close(lg, lw, atol=1e-4, rtol=1e-5)
+    masked = obj_g.features(model.train(), bg)
+    assert not torch.equal(masked, obj_g.features(model.eval(), bg)), "training lost SpecAugment"
+
+
 def test_recompute_gives_the_same_gradients_and_frozen_encoder_stays_fixed(assets, tmp_path):
     from ddptrain.config import RecomputeConfig
     from ddptrain.recompute import apply_recompute

@@ -88,3 +88,67 @@ def test_whisper_targets_put_the_prefix_first_and_eos_last(tmp_path):
     assert ids[:3] == t.prefix[1:] and ids[-1] == t.eos and t.decode(ids[3:-1]) == "hello world"
     with pytest.raises(ValueError, match="<\\|de\\|>"):
         fhm.WhisperTargets(AutoTokenizer.from_pretrained(folder, local_files_only=True), language="de")
+
+
+def _whisper_cfg(tmp_path, manifest, folder, *extra):
+    return ddptrain.load_config(None, [
+        "hf.model=whisper", f"hf.path={folder}", f"data.train_manifest={manifest}", f"data.eval_manifest={manifest}",
+        "data.features=whisper_logmel", "data.num_mel_bins=128", "data.normalize=none", "data.max_duration=60",
+        "data.max_batch_size=2", "data.num_buckets=1", "data.num_workers=0", "data.shuffle=false",
+        f"trainer.output_dir={tmp_path}/run", *extra], schema=fhm.FinetuneConfig)
+
+
+def _whisper_data(tmp_path, manifest, folder, *extra):
+    cfg = _whisper_cfg(tmp_path, manifest, folder, *extra)
+    return fhm.whisper_manifest_data(cfg, cfg.hf)
+
+
+def test_whisper_eval_features_are_not_spec_augmented_with_gpu_features(tmp_path):
+    """feature_device=gpu: Seq2SeqLoss computes features with the training loader's extractor;
+    they follow the model's mode (before, the eval loss and greedy decoding saw SpecAugment masks)."""
+    manifest = write_synthetic_corpus(str(tmp_path / "data"), [1.0, 1.4, 0.8, 1.2], seed=4)
+    folder = whisper_folder(tmp_path / "model", [json.loads(line)["text"] for line in open(manifest)])
+    aug = ("data.spec_augment=true", "data.time_mask_ratio=0.5", "data.freq_mask_width=60")
+    _, evals_w, _ = _whisper_data(tmp_path, manifest, folder, *aug)
+    train_g, evals_g, _ = _whisper_data(tmp_path, manifest, folder, *aug, "data.feature_device=gpu")
+    model = WhisperForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+    bw, bg = next(iter(evals_w)), next(iter(evals_g))
+    assert "features" not in bg and bw["ids"] == bg["ids"]
+    loss_g = fhm.Seq2SeqLoss(model.config, 1, train_g.feature_extractor)
+    with torch.no_grad():
+        lw, nw = fhm.Seq2SeqLoss(model.config)(model, bw)  # worker features of an evaluation loader: never masked
+        lg, ng = loss_g(model, bg)
+    assert nw == ng
+    torch.testing.assert_close(lg, lw, atol=1e-4, rtol=1e-5)
+    assert not torch.equal(loss_g.features(model.train(), bg), loss_g.features(model.eval(), bg))
+
+
+def test_wav2vec2_on_raw_audio_masks_only_in_training_and_refuses_spec_augment(tmp_path):
+    """wav2vec2 takes raw audio (no extractor, with feature_device=gpu too) and masks its own
+    inputs while training (mask_time_prob); data.spec_augment, which would do nothing, is refused."""
+    from ddptrain.data import build_dataloader, load_or_build_tokenizer
+
+    manifest = write_synthetic_corpus(str(tmp_path / "data"), [1.0, 1.4, 0.8, 1.2], seed=4)
+    argv = ["hf.model=wav2vec2", "hf.preset=tiny", f"data.train_manifest={manifest}", "data.features=raw",
+            "data.num_workers=0", "data.max_duration=60", "data.num_buckets=1", f"data.tokenizer={tmp_path}/tok.json",
+            "data.feature_device=gpu"]
+    with pytest.raises(ddptrain.ConfigError, match="data.spec_augment masks features"):
+        ddptrain.load_config(None, [*argv, "data.spec_augment=true"], schema=fhm.FinetuneConfig)
+    with pytest.raises(ddptrain.ConfigError, match="hf.model=wav2vec2 on manifests takes data.features=raw"):
+        ddptrain.load_config(None, [*argv, "data.features=fbank"], schema=fhm.FinetuneConfig)
+    cfg = ddptrain.load_config(None, argv, schema=fhm.FinetuneConfig)
+    tok = load_or_build_tokenizer(cfg.data)
+    loader = build_dataloader(manifest, cfg.data, tok, train=False)
+    assert loader.feature_extractor is None
+    torch.manual_seed(0)
+    model = fhm.build_model(cfg.hf, tok.vocab_size)
+    model.config.mask_time_prob = 0.5  # masks in nearly every utterance while training
+    loss, batch = fhm.loss_for(model), next(iter(loader))
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(loss(model, batch)[0], loss(model, batch)[0])
+        model.train()
+        torch.manual_seed(1)
+        a = loss(model, batch)[0]
+        torch.manual_seed(2)
+        assert not torch.equal(a, loss(model, batch)[0])
