@@ -111,6 +111,25 @@ def test_spec_augment_only_in_training_and_only_inside_each_utterance():
         assert torch.equal(out[2], f[2])  # 20% of one frame rounds down to no mask
 
 
+@pytest.mark.parametrize("kind", ["fbank", "whisper_logmel"])
+def test_for_model_masks_only_while_the_model_trains_whatever_the_extractors_mode(kind):
+    """The feature_device: gpu path: the training loader's extractor (in training mode) gives the
+    evaluation model unmasked features; the extractor's own mode is left as it was."""
+    extra = dict(normalize="none", num_mel_bins=128) if kind == "whisper_logmel" else {}
+    cfg = DataConfig(features=kind, spec_augment=True, time_mask_ratio=0.5, freq_mask_width=40, **extra)
+    audio, lens = pad(waves([16000, 12000]))
+    batch = {"audio": audio, "audio_lens": lens}
+    ext = BatchFeatureExtractor(cfg).train()
+    plain = BatchFeatureExtractor(cfg).eval()(audio, lens)["features"]
+    model = torch.nn.Linear(1, 1)
+    torch.testing.assert_close(ext.for_model(model.eval(), batch)["features"], plain)
+    assert ext.training
+    torch.manual_seed(0)
+    assert not torch.equal(ext.for_model(model.train(), batch)["features"], plain)
+    eval_ext = BatchFeatureExtractor(cfg).eval()  # an evaluation loader's, with a training model: masked
+    assert not torch.equal(eval_ext.for_model(model, batch)["features"], plain) and not eval_ext.training
+
+
 def test_too_short_audio_has_zero_frames_and_empty_batches_work():
     ext = BatchFeatureExtractor(DataConfig()).eval()
     out = ext(torch.zeros(2, 399), torch.tensor([399, 100]))

@@ -129,3 +129,43 @@ def test_ranks_share_validation_and_refuse_different_utterance_lists(corpus, tmp
         assert res["n"] == len(DURS) and len(res["skipped"]) == 1 and "missing audio file" in res["skipped"][0]
         assert res["error"] and "different lists of utterances" in res["error"], res
         assert f"rank 0: {len(DURS)}, rank 1: {len(DURS) - 1}" in res["error"]
+
+
+def test_the_data_section_is_checked_once_per_loader_build(corpus, monkeypatch):
+    """build_dataloader checks the section at its entry; the dataset, the feature extractors and
+    the sampler it builds take the checked section (each checked it again before)."""
+    import ddptrain.config
+
+    calls = []
+    real = ddptrain.config._check  # what check_section runs, looked up at each call
+    monkeypatch.setattr(ddptrain.config, "_check", lambda root, origins: calls.append(*root) or real(root, origins))
+    build_dataloader(corpus, cfg(feature_device="GPU", spec_augment=True), train=True)
+    assert calls == ["data"]
+    mine = cfg(features="LOGMEL")
+    first = build_dataloader(corpus, mine, train=True)
+    build_dataloader(corpus, first.data_config, train=False)  # the checked section: not checked again
+    assert calls == ["data", "data"]
+    first.data_config.max_duration = -1.0  # changed since: checked again
+    with pytest.raises(ConfigError, match="data.max_duration=-1.0 must be > 0"):
+        build_dataloader(corpus, first.data_config, train=False)
+
+
+def test_from_config_and_make_loader_are_the_loaders_own_translation(corpus):
+    """DurationBucketSampler.from_config and make_loader (what recipes use) make the sampler and
+    DataLoader build_dataloader makes, training and evaluation."""
+    from ddptrain.data import make_loader
+
+    c = cfg(num_workers=2, loader_timeout_s=9.0, tail="duplicate", quadratic_duration=20.0, speed_perturb=[0.8, 1.0],
+            persistent_workers=False, prefetch_factor=3)
+    for train in (True, False):
+        ref = build_dataloader(corpus, c, train=train)
+        sampler = DurationBucketSampler.from_config(ref.dataset, c, train)
+        assert sampler.state_dict() == ref.batch_sampler.state_dict()
+        np.testing.assert_allclose(sampler.durations, ref.dataset.durations * (1.25 if train else 1.0))
+        mine = make_loader(ref.dataset, sampler, ref.collate_fn, c, train)
+        for key in ("num_workers", "timeout", "prefetch_factor", "persistent_workers", "pin_memory"):
+            assert getattr(mine, key) == getattr(ref, key), key
+        assert mine.timeout == 9.0 and mine.data_config == ref.data_config
+    # a recipe's cost (whole 1 s units here) and overrides
+    s = DurationBucketSampler.from_config(DURS, c, False, cost=np.ceil, max_batch_size=2)
+    assert set(np.unique(s.durations)) <= {1.0, 2.0} and s.max_batch_size == 2 and s.tail == "exact"
