@@ -40,7 +40,9 @@ only registers the trainable parameters, so frozen ones never need
 from __future__ import annotations
 
 import argparse
+import difflib
 import fnmatch
+import re
 import json
 import math
 import sys
@@ -117,7 +119,8 @@ def apply_lora(model: nn.Module, targets: Sequence[str], rank: int = 16, alpha: 
         The dotted names of the adapted layers.
 
     Raises:
-        ValueError: no linear layer matched (the message lists some that exist), a matched layer
+        ValueError: a pattern of ``targets`` matched no linear layer (the message names it and the
+            closest layer names, as globs), a matched layer
             already has an adapter or is a subclass of ``nn.Linear``, its weights are on the meta
             device, a ``trainable`` glob matched nothing, or ``rank < 1``.
     """
@@ -125,9 +128,9 @@ def apply_lora(model: nn.Module, targets: Sequence[str], rank: int = 16, alpha: 
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     chosen = _match(linears, targets)
-    if not chosen:
-        raise ValueError(f"lora.targets={list(targets)} matched no nn.Linear layer; linear layers in this model "
-                         f"include {sorted(linears)[:12]}")
+    for glob in targets:  # a typo in one pattern would silently adapt fewer layers
+        if not _match(linears, [glob]):
+            raise ValueError(_unmatched(glob, model, linears))
     for name in chosen:
         m = linears[name]
         if isinstance(m, LoRALinear):
@@ -155,6 +158,21 @@ def apply_lora(model: nn.Module, targets: Sequence[str], rank: int = 16, alpha: 
         m.lora_B = nn.Parameter(torch.zeros(m.out_features, rank, device=m.weight.device, dtype=torch.float32))
         m.lora_scaling, m.lora_dropout, m.lora_merged = float(alpha) / rank, float(dropout), False
     return chosen
+
+
+def _unmatched(glob: str, model: nn.Module, linears: dict) -> str:
+    """Why ``glob`` adapts nothing, with the closest linear layer names (as globs: layer numbers
+    replaced by ``*``, then as they are)."""
+    others = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+              if n and not isinstance(m, nn.Linear) and fnmatch.fnmatchcase(n, glob)]
+    if others:
+        return (f"lora.targets pattern {glob!r} matched no nn.Linear layer, only modules that are not nn.Linear: "
+                f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}; to adapt the linear layers inside "
+                f"them, write {glob + '.*'!r}")
+    generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n) for n in linears})
+    close = difflib.get_close_matches(glob, generic, n=5, cutoff=0.5) or generic[:5]
+    return (f"lora.targets pattern {glob!r} matched no nn.Linear layer (a typo?); the closest: "
+            f"{', '.join(map(repr, close))}; linear layers in this model include {sorted(linears)[:12]}")
 
 
 def add_adapters(model: nn.Module, scalings: dict, tensors: dict) -> list[str]:

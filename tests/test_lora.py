@@ -309,3 +309,18 @@ def test_load_weights_composes_base_and_adapters_and_export_merges_them(tmp_path
         os.rename(base, base + ".moved")
         ddptrain.load_weights(Tiny(), str(tmp_path / "run"))
     ddptrain.load_weights(Tiny(), str(tmp_path / "run"), base=base + ".moved")
+
+
+def test_a_target_pattern_that_matches_nothing_is_refused_with_the_closest_names():
+    """issue 30, item 7: a typo in one pattern adapted fewer layers without a word."""
+    from ddptrain.lora import LoRALinear
+
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"lora.targets pattern 'blocks.\*.vproj' matched no nn.Linear layer.*"
+                                         r"closest.*'blocks.\*.v_proj'"):
+        apply_lora(model, ["blocks.*.q_proj", "blocks.*.vproj"])
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())  # refused before anything changed
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(ValueError, match=r"'blocks.\*.mlp' matched no nn.Linear layer.*only modules that are not "
+                                         r"nn.Linear.*blocks.0.mlp \(Sequential\).*'blocks.\*.mlp.\*'"):
+        apply_lora(model, ["blocks.*.q_proj", "blocks.*.mlp"])
