@@ -81,6 +81,7 @@ class OptimConfig:
     fused: str = "auto"  # auto: fused Adam(W) kernels on CUDA
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
     zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step instead of one per parameter
+    shard_grads: bool = False  # ZeRO-2: each rank keeps only its own partition's reduced gradients (2/N B/param instead of 2), replacing DDP; needs optim.zero and trainer.param_dtype=bf16; one rank: no change (ddptrain/sharded_grads.py)
     offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
     offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB, so the copies overlap the host update
 
@@ -343,6 +344,7 @@ RULES: dict[str, Rule] = {
     "optim.fused": one_of("auto", "true", "false"),
     "optim.zero": ANY,
     "optim.zero_bucket_view": ANY,
+    "optim.shard_grads": ANY,
     "optim.offload": switch("none", "cpu"),
     "optim.offload_chunk_mb": above(0),
     "scheduler.name": one_of("constant", "warmup_cosine", "warmup_linear", "noam", "inverse_sqrt"),
@@ -439,6 +441,15 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
     (("trainer.param_dtype", "trainer.precision"), lambda dtype, precision: dtype != "bf16" or precision == "bf16",
      "trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters would need loss "
      "scaling of bf16 master gradients: not supported)"),
+    (("optim.shard_grads", "optim.zero", "trainer.param_dtype"),
+     lambda shard, zero, dtype: not shard or (zero and dtype == "bf16"),
+     "optim.shard_grads=true needs optim.zero=true and trainer.param_dtype=bf16 (each rank keeps the gradients "
+     "of the tensors whose sharded fp32 masters it owns)"),
+    (("optim.shard_grads", "dist.find_unused_parameters"), lambda shard, unused: not (shard and unused),
+     "optim.shard_grads=true reduces every trainable parameter in every backward: dist.find_unused_parameters=true "
+     "is not supported with it (freeze the unused parameters, or set optim.shard_grads=false)"),
+    (("optim.shard_grads", "dist.comm_hook"), lambda shard, hook: not shard or hook == "none",
+     "optim.shard_grads=true sends the gradients in their own dtype (bf16 for a bf16 model): set dist.comm_hook=none"),
     (("optim.offload", "trainer.param_dtype"), lambda offload, dtype: offload == "none" or dtype == "bf16",
      "optim.offload=cpu needs trainer.param_dtype=bf16 (a bf16 model on the GPU, fp32 masters on the host)"),
     (("optim.name", "optim.nesterov", "optim.momentum"),

@@ -40,6 +40,7 @@ from ddptrain.precision import MasterWeights, Precision
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
 from ddptrain.recompute import apply_recompute
+from ddptrain.sharded_grads import ShardedGradReducer
 from ddptrain.sharded_masters import ShardedMasterWeights
 from ddptrain.steps import StepStream, stateful_sampler
 from ddptrain.streamed_base import place_model, stream_base
@@ -126,11 +127,19 @@ class Trainer:
                 self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
         self.streamed = stream_base(model, cfg, self.device, self.recomputed)  # after the masters' casts, before DDP
         self.module = model
-        self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
+        ddp = self.info.distributed and not self._shard_grads()
+        if self._shard_grads():  # instead of DDP: each rank reduces into, and keeps, its own partition's gradients
+            if getattr(self.master, "owners", None) is None:
+                raise ConfigError("optim.shard_grads=true needs the sharded fp32 masters of optim.zero=true "
+                                  "(this set-up has no partition of the masters to shard the gradients by)")
+            self.model = ShardedGradReducer(model, self.master.owners, cfg.dist.bucket_cap_mb,
+                                            cfg.dist.broadcast_buffers)
+        else:
+            self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
         if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
-            self.model = compile_whole(self.model, cfg.compile, cfg.dist.bucket_cap_mb if self.info.distributed
-                                       else None, recomputed=len(self.recomputed))
+            self.model = compile_whole(self.model, cfg.compile, cfg.dist.bucket_cap_mb if ddp else None,
+                                       recomputed=len(self.recomputed))
 
     def _setup_optimizer(self) -> None:
         """Optimizer (plain or ZeRO, over the masters if any), precision policy, LR schedule."""
@@ -140,7 +149,7 @@ class Trainer:
         # the tensors whose gradients backward fills (the model's; with masters they are bf16)
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.update = StepUpdate(self.optimizer, self.precision, self.master, params, self.info.world_size,
-                                 t.clip_grad_norm, self.device)
+                                 t.clip_grad_norm, self.device, sharded_grads=self._shard_grads())
         self.guard = StepGuard(t, self.precision, self.progress)  # it prints through the logger, once made
 
     def _setup_data(self) -> None:
@@ -395,6 +404,9 @@ class Trainer:
     step = property(lambda self: self.progress.step, doc="optimizer steps taken (see also .progress)")
     skipped_steps = property(lambda self: self.progress.skipped_steps)
     skip_on_device = property(lambda self: self.update.on_device, doc="non-finite steps are skipped on the device")
+
+    def _shard_grads(self) -> bool:
+        return self.cfg.optim.shard_grads and self.info.world_size > 1  # one rank: DDP-free already
 
     def _where(self, micro: int) -> str:
         return f"rank {self.info.rank}, step {self.progress.step + 1}, micro-batch {micro}"

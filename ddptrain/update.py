@@ -28,12 +28,15 @@ class StepUpdate:
         world_size: processes in the step's all-reduce (1 without a process group).
         clip: ``trainer.clip_grad_norm`` (0 = off).
         device: the training device.
+        sharded_grads: each rank holds the gradients of its own partition only
+            (``optim.shard_grads``): the global norm is the root of the ranks' summed squares.
     """
 
     def __init__(self, optimizer, precision: Precision, master: Optional[MasterWeights], params: list,
-                 world_size: int, clip: float, device: torch.device):
+                 world_size: int, clip: float, device: torch.device, sharded_grads: bool = False):
         self.optimizer, self.precision, self.master, self.params = optimizer, precision, master, params
         self.world_size, self.clip, self.device = world_size, clip, device
+        self.sharded_grads = sharded_grads
         self._owned = ({id(p) for g in optimizer.optim.param_groups for p in g["params"]}
                        if is_zero(optimizer) else None)  # the masters this rank updates
         # A fused optimizer can skip a non-finite step on the device: the step is then queued
@@ -62,6 +65,8 @@ class StepUpdate:
         f64 = dict(dtype=torch.float64, device=self.device)
         raw_norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).double()
                     if grads else torch.zeros((), **f64))
+        if self.sharded_grads:
+            raw_norm = raw_norm.square()  # summed over the ranks' disjoint shards by the all-reduce
         # Host values enter through torch.full, not torch.tensor: a copy from a host scalar would
         # block the host until the backward has finished (a second sync per step, seen on a GPU).
         flags = torch.stack([loss_sum, units_dev + torch.full((), units_host, **f64),
@@ -70,8 +75,9 @@ class StepUpdate:
             torch.distributed.all_reduce(flags)
         loss_t, units_t, stop_t, norm_sum, negative_t = flags.unbind()
         # DDP has averaged the gradients, so every rank holds the same ones and the same norm
+        # (sharded gradients: the same average, each rank its own tensors)
         factor = self.world_size / (units_t.clamp_min(1e-12) * unit_scale)
-        norm_t = norm_sum / self.world_size * factor
+        norm_t = (norm_sum.sqrt() if self.sharded_grads else norm_sum / self.world_size) * factor
         finite_t = torch.isfinite(norm_t) & torch.isfinite(loss_t) & (units_t > 0)
         if self.clip > 0:
             factor = factor * torch.where(norm_t > self.clip, self.clip / (norm_t + 1e-6), 1.0)
