@@ -17,7 +17,10 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
   8192 FFN, the same vocabulary) on one GPU through the masters path (bf16 weights, fp32 masters).
 * ``full9b_zero`` / ``full9b_zero2``: the 10B full fine-tune on 4 / 2 GPUs (ZeRO with sharded
   masters, recompute), issue 22; the plans ``glmasr2`` and ``large4`` of bench/gpu_session.py run
-  them. ``estimate`` prints the estimator's per-GPU model state at 1-8 GPUs against the card.
+  them. On a 24 GB card (``--gpu-memory-gb 23``: every job capped): ``lora_ddptrain_streamed``
+  (``lora.base_offload=cpu``: the frozen decoder layers in pinned host memory, streamed one
+  layer ahead) and ``lora_hf_peft_ds3_offload`` (HF + peft under DeepSpeed ZeRO-3 with parameters
+  and optimizer offloaded to the CPU), each also at 4k tokens (``..._4k``). ``estimate`` prints the estimator's per-GPU model state at 1-8 GPUs against the card.
 
 Every row: tokens/s, step time, MFU (analytic FLOPs below, recompute not counted), peak GPU
 memory (of every GPU: ``peak_alloc_gib_per_gpu``), and the model-state estimate of
@@ -81,6 +84,14 @@ JOBS = {  # name: (what it runs, GPUs, timeout in seconds on the GPU)
     "full9b_zero": (dict(model="9b", peer="ddptrain", lora=False, zero=True), 4, 300),
     "full9b_zero2": (dict(model="9b", peer="ddptrain", lora=False, zero=True), 2, 300),
 }
+# on a 24 GB card (--gpu-memory-gb): the frozen base streamed from pinned host memory, at 8k and
+# 4k tokens, against HF + peft with DeepSpeed ZeRO-3 offloading parameters and optimizer to the CPU
+for _seq in (8192, 4096):
+    _k = "" if _seq == 8192 else "_4k"
+    JOBS[f"lora_ddptrain_streamed{_k}"] = (dict(model="9b", peer="ddptrain", lora=True, stream=True, seq=_seq), 1, 200)
+    JOBS[f"lora_ddptrain{_k}"] = JOBS.get(f"lora_ddptrain{_k}", (dict(model="9b", peer="ddptrain", lora=True, seq=_seq), 1, 150))
+    JOBS[f"lora_hf_peft_ds3_offload{_k}"] = (dict(model="9b", peer="hf_peft", lora=True, ds3_offload=True, seq=_seq), 1, 300)
+    JOBS[f"lora_hf_peft{_k}"] = JOBS.get(f"lora_hf_peft{_k}", (dict(model="9b", peer="hf_peft", lora=True, seq=_seq), 1, 150))
 PLAN_H200 = ["lora_ddptrain", "lora_hf_peft", "full3b_ddptrain"]  # one H200, ~410 s in all
 
 
@@ -147,10 +158,10 @@ def build(job: dict, preset: str, dev: torch.device) -> nn.Module:
         torch.set_default_dtype(old)
 
 
-def make_batch(cfg, preset: str, dev: torch.device, vision: bool) -> dict:
+def make_batch(cfg, preset: str, dev: torch.device, vision: bool, seq: int = 0) -> dict:
     """One sequence: 16 prompt tokens, then (with ``vision``) an image block, then text; the loss
     is on the text after the image. Token ids avoid the special ids."""
-    seq, grid = BATCH[preset]["seq"], BATCH[preset]["grid"]
+    seq, grid = (seq if seq and preset == "real" else BATCH[preset]["seq"]), BATCH[preset]["grid"]
     g = torch.Generator().manual_seed(0)
     vocab = cfg.text_config.vocab_size
     ids = torch.randint(0, cfg.image_start_token_id - 1, (1, seq), generator=g)
@@ -214,7 +225,8 @@ def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
             "peak_alloc_gb": round(max(per_gpu) * 2**30 / 1e9, 2),  # the results schema's unit (1e9 bytes)
             "samples_per_s": ws / med, "audio_s_per_s": None,  # one sequence per GPU and step
             "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "transformers": transformers.__version__, "date": datetime.date.today().isoformat(), **extra}
+            "transformers": transformers.__version__, "date": datetime.date.today().isoformat(),
+            "gpu_memory_gb": GPU_MEMORY_GB or None, **extra}
 
 
 def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
@@ -228,12 +240,16 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
         ov += ["lora.enabled=true", f"lora.targets={json.dumps(LORA_TARGETS)}", "lora.rank=16", "lora.alpha=32"]
     if job.get("zero"):
         ov.append("optim.zero=true")
+    if job.get("stream"):  # the frozen decoder layers live in pinned host memory, streamed one ahead
+        ov += ["lora.base_offload=cpu"]  # the blocks: the children of the largest ModuleList (the decoder layers)
+    if GPU_MEMORY_GB:
+        ov.append(f"trainer.gpu_memory_gb={GPU_MEMORY_GB}")
     cfg = ddptrain.load_config(None, ov)
     info = ddptrain.setup_distributed(cfg)
     dev = info.device
     model = WithLoss(build(job, preset, dev))
     mcfg = glm4v_config(preset, with_vision=job["model"] == "9b")
-    batch = make_batch(mcfg, preset, dev, vision=job["model"] == "9b")
+    batch = make_batch(mcfg, preset, dev, vision=job["model"] == "9b", seq=job.get("seq", 0))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = ddptrain.Trainer(model, lambda m, b: m(**b), cfg, [batch] * (warmup + steps))
@@ -261,11 +277,22 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if GPU_MEMORY_GB and dev.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(GPU_MEMORY_GB * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     mcfg = glm4v_config(preset)
     model = get_peft_model(build(job, preset, dev), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                                target_modules=PEFT_TARGETS))
-    batch = make_batch(mcfg, preset, torch.device("cpu"), vision=True)
+    batch = make_batch(mcfg, preset, torch.device("cpu"), vision=True, seq=job.get("seq", 0))
     times, marks = [], {}
+    extra_args = {}
+    if job.get("ds3_offload"):  # ZeRO-3, parameters and optimizer state on the CPU (DeepSpeedCPUAdam)
+        extra_args["deepspeed"] = {
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                  "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "overlap_comm": True, "contiguous_gradients": True, "stage3_gather_16bit_weights_on_model_save": False},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+            "bf16": {"enabled": "auto"}, "gradient_clipping": "auto",
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -280,7 +307,7 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
                              max_steps=warmup + steps, learning_rate=1e-4, max_grad_norm=1.0, logging_steps=100000,
                              save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-                             remove_unused_columns=False, seed=0, use_cpu=dev.type == "cpu")
+                             remove_unused_columns=False, seed=0, use_cpu=dev.type == "cpu", **extra_args)
     data = [{k: v[0] if k in ("input_ids", "labels", "mm_token_type_ids") else v for k, v in batch.items()}] * (
         warmup + steps)
 
@@ -294,6 +321,9 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
                 step_flops(mcfg, batch, True, True), {"num_trainable": trainable})
+
+
+GPU_MEMORY_GB = float(os.environ.get("BENCH_GPU_MEMORY_GB", "0") or 0)  # --gpu-memory-gb, through the env to each job
 
 
 def _sync(dev):
@@ -317,7 +347,7 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
             row = run_ddptrain(name, job, preset, warmup, steps, tmp)
     except Exception as e:  # an error row, and exit status 1 (bench/gpu_session.py's convention)
         _append(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
-                      "error": f"{type(e).__name__}: {e}"})
+                      "gpu_memory_gb": GPU_MEMORY_GB or None, "error": f"{type(e).__name__}: {e}"[:2000]})
         raise
     if int(os.environ.get("RANK", "0")) == 0:
         _append(out, row)
@@ -349,12 +379,16 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
         launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
                   "--master_port=29531"] if n > 1 else [sys.executable]
         cmd = launch + [os.path.abspath(__file__), "job", name, "--out", out, "--tmp", tmp] + (["--dry"] if dry else [])
+        job_env = dict(env)
+        if JOBS[name][0].get("ds3_offload") and n == 1:  # DeepSpeed wants a process group: torchrun's env of one rank
+            job_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29532", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         t0 = time.time()
         try:
-            rc = subprocess.run(cmd, env=env, timeout=timeout * (3 if dry else 1)).returncode
+            rc = subprocess.run(cmd, env=job_env, timeout=timeout * (3 if dry else 1)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-            _append(out, {"workload": "glm4v", "name": name, "error": f"timed out after {timeout}s"})
+            _append(out, {"workload": "glm4v", "name": name, "gpu_memory_gb": GPU_MEMORY_GB or None,
+                          "error": f"timed out after {timeout}s"})
         print(f"[bench_9b] {name}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
         failed += rc != 0
     return 1 if failed else 0
@@ -386,7 +420,12 @@ def main(argv=None) -> int:
     p.add_argument("--dry", action="store_true", help="tiny shapes on CPU (same code paths)")
     p.add_argument("--out", default="", help="results file (JSON lines, appended)")
     p.add_argument("--tmp", default="/tmp/bench_9b", help="scratch folder for run folders")
+    p.add_argument("--gpu-memory-gb", type=float, default=0.0, help="cap every job's GPU memory at this many GiB")
     args = p.parse_args(argv)
+    if args.gpu_memory_gb:
+        global GPU_MEMORY_GB
+        GPU_MEMORY_GB = args.gpu_memory_gb
+        os.environ["BENCH_GPU_MEMORY_GB"] = str(args.gpu_memory_gb)
     if args.what == "estimate":
         for r in estimate():
             print(json.dumps(r))
