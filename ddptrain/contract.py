@@ -8,9 +8,15 @@ surfacing later as a broadcasting error or as every step silently skipped.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+
+# What one micro-batch's tensor unit count adds to the step's fault sum (:func:`unit_faults`): 1 if
+# it is negative, NONFINITE_UNITS if it is NaN or inf. One device sum carries both counts to the
+# guard, in the step's one all-reduce (far fewer than 2**20 micro-batches take part in a step).
+NONFINITE_UNITS = 2.0 ** 20
 
 
 class TrainingError(RuntimeError):
@@ -39,12 +45,18 @@ def check_loss_output(returned: Any, where: str, host: bool = False) -> tuple:
         if units.numel() != 1:
             raise TrainingError(f"{where}: loss_fn's num_units must be a number or a 1-element tensor, "
                                 f"it returned {describe(units)}")
-        if host and not float(units) >= 0:
+        if host and not (float(units) >= 0 and math.isfinite(float(units))):
             raise TrainingError(f"{where}: loss_fn's num_units must be a count >= 0, it returned {float(units)!r}")
-    elif not isinstance(units, (int, float)) or isinstance(units, bool) or not units >= 0:
+    elif not isinstance(units, (int, float)) or isinstance(units, bool) or not (units >= 0 and math.isfinite(units)):
         raise TrainingError(f"{where}: loss_fn's num_units must be a count >= 0 (the frames, tokens or "
                             f"utterances its loss_sum sums over), it returned {units!r}")
     return loss_sum, units
+
+
+def unit_faults(units: torch.Tensor) -> torch.Tensor:
+    """The fault count of one tensor ``num_units``, on its device (no host sync): see
+    :data:`NONFINITE_UNITS`; :meth:`ddptrain.guard.StepGuard.judge` reads the step's sum."""
+    return (units < 0).double() + (~torch.isfinite(units)).double() * NONFINITE_UNITS
 
 
 def describe(x: Any) -> str:

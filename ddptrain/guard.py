@@ -11,7 +11,7 @@ import math
 from typing import Callable, Optional
 
 from ddptrain.config import TrainerConfig
-from ddptrain.contract import TrainingError
+from ddptrain.contract import NONFINITE_UNITS, TrainingError
 from ddptrain.progress import TrainingProgress
 
 
@@ -38,11 +38,18 @@ class StepGuard:
         caught by ``fp16_min_scale`` instead.
 
         Raises:
-            TrainingError: loss_fn returned a negative unit count on some rank.
+            TrainingError: loss_fn returned a negative, NaN or inf unit count on some rank
+                (``negative``: the step's sum of :func:`ddptrain.contract.unit_faults`); the step
+                was not applied.
         """
         p, t = self.progress, self.cfg
         if negative > 0:
-            raise TrainingError(f"step {p.step}: loss_fn returned a negative num_units on {int(negative)} "
+            nonfinite, below = divmod(int(negative), int(NONFINITE_UNITS))
+            if nonfinite:
+                raise TrainingError(f"step {p.step}: loss_fn returned a non-finite num_units (NaN or inf) on "
+                                    f"{nonfinite} micro-batch(es), so the step was not applied; num_units must count "
+                                    f"the units its loss_sum sums over (frames, tokens){ids}")
+            raise TrainingError(f"step {p.step}: loss_fn returned a negative num_units on {below} "
                                 "micro-batch(es); it must count the units its loss_sum sums over")
         p.skipped_steps += not stepped
         p.empty_in_row = p.empty_in_row + 1 if units == 0 else 0

@@ -30,7 +30,7 @@ from ddptrain import offload, preflight
 from ddptrain.activation_offload import apply_offload
 from ddptrain.compile import apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
-from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device
+from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device, unit_faults
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.lora import apply_lora
@@ -255,7 +255,7 @@ class Trainer:
             if isinstance(units, torch.Tensor):
                 units = units.detach().to(self.device, torch.float64).reshape(())
                 units_dev += units
-                negative += (units < 0).double()
+                negative += unit_faults(units)  # negative, NaN or inf: the guard names it
             else:
                 units_host += float(units)
 

@@ -78,7 +78,8 @@ class StepUpdate:
         # (sharded gradients: the same average, each rank its own tensors)
         factor = self.world_size / (units_t.clamp_min(1e-12) * unit_scale)
         norm_t = (norm_sum.sqrt() if self.sharded_grads else norm_sum / self.world_size) * factor
-        finite_t = torch.isfinite(norm_t) & torch.isfinite(loss_t) & (units_t > 0)
+        # a broken unit count (negative, NaN, inf: contract.unit_faults) never steps, even by zero
+        finite_t = torch.isfinite(norm_t) & torch.isfinite(loss_t) & (units_t > 0) & (negative_t == 0)
         if self.clip > 0:
             factor = factor * torch.where(norm_t > self.clip, self.clip / (norm_t + 1e-6), 1.0)
         report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), negative_t, factor])

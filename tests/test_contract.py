@@ -63,3 +63,30 @@ def _zero_units_on_one_rank(rank, world, out):
 @pytest.mark.timeout(120)
 def test_zero_units_on_one_rank_only_is_fine(tmp_path):
     run_ranks(_zero_units_on_one_rank, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_tensor_units_are_named_and_never_stepped_on(tmp_path, bad):
+    """issue 30, item 13: NaN units were reported as a non-finite loss/gradient, and inf units
+    applied a zero-gradient step (AdamW's weight decay and moments moved)."""
+    torch.manual_seed(0)
+    model = FrameMLP()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_fn = lambda m, b: (frame_loss(m, b)[0], frame_loss(m, b)[1] * bad)  # noqa: E731
+    t = ddptrain.Trainer(model, loss_fn, make_cfg(tmp_path, "trainer.max_steps=3"), micro_batches(3)[0])
+    with pytest.raises(ddptrain.TrainingError, match=r"step 1: loss_fn returned a non-finite num_units \(NaN or "
+                                                     r"inf\) on 1 micro-batch"):
+        t.fit()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, start[k]), f"{k} moved: a step was applied"
+
+
+@pytest.mark.parametrize("where", ["train", "eval"])
+def test_infinite_host_units_are_refused(tmp_path, where):
+    inf = lambda m, b: (frame_loss(m, b)[0], float("inf"))  # noqa: E731
+    torch.manual_seed(0)
+    data = micro_batches(3)[0]
+    t = ddptrain.Trainer(FrameMLP(), inf if where == "train" else frame_loss, make_cfg(tmp_path, "trainer.max_steps=1"),
+                         data)
+    with pytest.raises(ddptrain.TrainingError, match=r"num_units must be a count >= 0.*returned inf"):
+        t.fit() if where == "train" else (setattr(t, "loss_fn", inf), t.evaluate(data))
