@@ -525,14 +525,28 @@ def check_section(section: Any, name: str) -> Any:
         section: the section object (a dataclass instance).
         name: its key in :class:`Config` (``"data"``).
 
+    A section this returned is not checked again while its values stay as they were: the data
+    loader checks its section at its entry, and the parts it builds (dataset, feature extractors,
+    sampler) take the checked section, so a loader build checks it once.
+
     Returns:
         ``section`` with its values in canonical form (a copy if any changed).
 
     Raises:
         ConfigError: a value the table rejects; the message names the key.
     """
-    fixed = _check({name: section}, {})
-    return fixed[name]
+    if getattr(section, _CHECKED, None) == _values_of(section):
+        return section
+    fixed = _check({name: section}, {})[name]
+    object.__setattr__(fixed, _CHECKED, _values_of(fixed))
+    return fixed
+
+
+_CHECKED = "_ddptrain_checked"  # the values a section had when check_section returned it
+
+
+def _values_of(section: Any) -> str:
+    return repr([getattr(section, f.name) for f in dataclasses.fields(section)])
 
 
 def check_config(cfg: Any) -> Any:

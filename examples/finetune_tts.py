@@ -13,14 +13,15 @@ voxcpm==2.0.3 einops pydantic``; see examples/models/voxcpm_tts.py), its loss it
 flow matching of the latent patches ("diff") plus the stop head's cross-entropy ("stop").
 
 Data: NeMo-style manifests (``audio_filepath``, ``text``, optional ``duration``/``offset``/``id``).
-The audio is encoded to VAE latents once (examples/prepare_tts.py, run here on rank 0 first: a
-no-op when the cache is current), so training reads small latent files and the VAE never enters
-the trained module. Batches come from ``DurationBucketSampler``: ``data.max_duration`` budgets
-padded seconds of *latent* audio per batch (batch size x the longest utterance's latent frames /
-the VAE's frame rate), and ``tts.max_text_tokens`` caps batch size x the longest text. An
-utterance that cannot be batched (longer than the model's ``max_length`` positions, or alone over
-either budget) is named with its manifest line; ``data.bad_data`` decides (``error``: list them all
-and stop; ``skip``: leave them out), through ``ddptrain.data.validate``'s bad-data report.
+The audio is encoded to VAE latents once (examples/tts_cache.py, run here on rank 0 first: a
+no-op when the cache is current; ``python examples/prepare_tts.py`` does it beforehand), so
+training reads small latent files and the VAE never enters the trained module. Batches come
+from ``DurationBucketSampler``: ``data.max_duration`` budgets padded seconds of *latent* audio
+per batch (batch size x the longest utterance's latent frames / the VAE's frame rate), and
+``tts.max_text_tokens`` caps batch size x the longest text. An utterance that cannot be batched
+(longer than the model's ``max_length`` positions, or alone over either budget) is named with its
+manifest line; ``data.bad_data`` decides (``error``: list them all and stop; ``skip``: leave them
+out), through ``ddptrain.data.validate``'s bad-data report.
 
 The loss contract: ``loss_fn -> (loss_sum, latent frames)``. Upstream's forward returns two means
 per batch: the flow-matching error averaged over the loss-masked latent frames, and the stop
@@ -63,7 +64,7 @@ from ddptrain.config import above, at_least, one_of, satisfies  # noqa: E402
 from ddptrain.data import DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
 from ddptrain.data.validate import budget_problems, keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
-from prepare_tts import CachedUtterance, prepare, read_cache  # noqa: E402
+from tts_cache import CachedUtterance, prepare, read_cache  # noqa: E402
 
 
 @dataclass

@@ -115,7 +115,7 @@ def test_voxcpm_plan_stays_in_one_epoch_on_four_ranks():
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import bench_voxcpm as bv
     import finetune_tts as ft
-    import prepare_tts
+    import tts_cache
 
     import ddptrain
     from models import voxcpm_tts as vt
@@ -125,7 +125,7 @@ def test_voxcpm_plan_stays_in_one_epoch_on_four_ranks():
     layout = vt.preset_config("voxcpm1.5", 0, "bfloat16")
     d, ids = bv.corpus(types.SimpleNamespace(utterances=opt("--utterances")), layout.lm_config.vocab_size)
     hop, patch = math.prod(layout.audio_vae_config.encoder_rates), layout.patch_size
-    utts = [prepare_tts.CachedUtterance(str(i), str(i), "-", -(-int(x * layout.audio_vae_config.sample_rate)
+    utts = [tts_cache.CachedUtterance(str(i), str(i), "-", -(-int(x * layout.audio_vae_config.sample_rate)
                                                                // (hop * patch)) * patch, "synthetic", i + 1)
             for i, x in enumerate(d)]
     ov = [o for o in bv.OVERRIDES[vox[vox.index("--peer") + 1]] if o.startswith("data.")] + ["data.num_workers=0"]

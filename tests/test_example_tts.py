@@ -1,4 +1,4 @@
-"""examples/finetune_tts.py and prepare_tts.py: VoxCPM (upstream's model code) on the tiny preset.
+"""examples/finetune_tts.py, tts_cache.py and prepare_tts.py: VoxCPM (upstream's model code) on the tiny preset.
 
 A handful of utterances of the shipped dialect corpus, copied to a temporary folder. Checked:
 the latent cache is idempotent and names bad audio with its manifest line; batches are exactly
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import finetune_tts as ft  # noqa: E402
-import prepare_tts  # noqa: E402
+import tts_cache  # noqa: E402
 
 import ddptrain  # noqa: E402
 from ddptrain.data import DataError  # noqa: E402
@@ -94,7 +94,7 @@ def test_prepare_is_idempotent(fresh_corpus, tmp_path):
     # another VAE starts the cache over; the recipe refuses a cache of another VAE
     other = recipe_config(corpus, tmp_path, "tts.vae_seed=1")
     with pytest.raises(DataError, match="another VAE"):
-        prepare_tts.read_cache(corpus["train"], ft.vae_spec(other), 2)
+        tts_cache.read_cache(corpus["train"], ft.vae_spec(other), 2)
     assert ft.prepare_manifest(other, corpus["train"])["encoded"] == FRESH
 
 
@@ -116,7 +116,7 @@ def test_prepare_names_unreadable_audio(fresh_corpus, tmp_path):
     assert f"{bad}:{FRESH + 2} (id missing)" in msg and "missing.ogg" in msg  # the last line
     report = ft.prepare_manifest(recipe_config(corpus, tmp_path, "data.bad_data=skip"), bad)
     assert (report["encoded"], report["skipped"]) == (FRESH, 2)
-    assert len(prepare_tts.read_cache(bad, ft.vae_spec(cfg), 2)) == FRESH
+    assert len(tts_cache.read_cache(bad, ft.vae_spec(cfg), 2)) == FRESH
 
 
 # ------------------------------------------------------------------------------ batches and the loss
@@ -235,12 +235,21 @@ def yaml_list(path, section, key):
     return list(OmegaConf.load(path)[section][key])
 
 
+def test_prepare_command_fills_the_cache_the_recipe_reads(corpus, tmp_path, capsys):
+    import prepare_tts  # the command imports the recipe, the recipe only the cache: no cycle
+
+    cfg = recipe_config(corpus, tmp_path)
+    assert prepare_tts.main(["--config", os.path.join(ROOT, "configs", "tts_dialect.yaml"), corpus["train"],
+                             "data.num_workers=0"]) == 0
+    assert len(tts_cache.read_cache(corpus["train"], ft.vae_spec(cfg), 2)) == 6
+
+
 def test_loader_refuses_sequences_longer_than_the_model(corpus, tmp_path):
     cfg = recipe_config(corpus, tmp_path)
     info = ddptrain.setup_distributed(cfg)
     b = ft.build_model(cfg, info)
     ft.prepare_manifest(cfg, corpus["train"], b.vae)
-    utts = prepare_tts.read_cache(corpus["train"], ft.vae_spec(cfg), 2)
+    utts = tts_cache.read_cache(corpus["train"], ft.vae_spec(cfg), 2)
     b.layout.max_length = 40
     with pytest.raises(DataError, match=r"train.jsonl:\d+ \(id dialect-train-\d+\): \d+ positions"):
         ft.build_loader(utts, cfg, b.tokenizer, b.layout, True, 1, 0)

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import finetune_tts as ft  # noqa: E402
-import prepare_tts  # noqa: E402
+import tts_cache  # noqa: E402
 
 import ddptrain  # noqa: E402
 from _dist import run_ranks  # noqa: E402
@@ -238,14 +238,14 @@ def test_bad_data_is_named_by_manifest_line_and_skipped_on_request(tmp_path):
         ft.prepare_manifest(cfg(), train)
     msg = str(e.value)
     assert f"{train}:5: bad line" in msg and f"{train}:6 (id {first['id']}): duplicate id" in msg
-    assert not os.path.exists(prepare_tts.cache_dir(train)), "bad lines stop the run before any encoding"
+    assert not os.path.exists(tts_cache.cache_dir(train)), "bad lines stop the run before any encoding"
     fixed = _without(train, 5, 6)  # the bad lines gone: "gone" is line 5 now
     with pytest.raises(ddptrain.data.DataError, match=rf"{fixed}:5 \(id gone\): missing audio file: .*gone.ogg"):
         ft.prepare_manifest(cfg(), fixed)
     report = ft.prepare_manifest(cfg("data.bad_data=skip"), train)
     assert (report["encoded"], report["skipped"]) == (5, 3)
     b = ft.build_model(cfg(), ddptrain.setup_distributed(cfg()))
-    utts = prepare_tts.read_cache(train, ft.vae_spec(cfg()), b.layout.patch_size)
+    utts = tts_cache.read_cache(train, ft.vae_spec(cfg()), b.layout.patch_size)
     assert sorted(u.line for u in utts) == [1, 2, 3, 4, 8]
     with pytest.raises(ddptrain.data.DataError) as e:
         ft.build_loader(utts, cfg("tts.max_text_tokens=56", "data.max_duration=4.1"), b.tokenizer, b.layout, True, 1, 0)

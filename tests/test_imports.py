@@ -1,4 +1,5 @@
-"""ddptrain's import graph: every module imports the others at top level, and the graph is acyclic.
+"""ddptrain's import graph: every module imports the others at top level, and the graph is acyclic;
+the recipes' and benchmarks' graph (examples/, bench/) is acyclic too, their late imports counted.
 
 Why: an import inside a function hides a cycle instead of breaking it (``checkpoint -> loading
 -> checkpoint`` worked only while one side imported late), and a cycle makes the order of
@@ -164,6 +165,53 @@ def test_the_graph_check_finds_what_it_is_for():
     assert lazy == [("ddptrain.checkpoint", 6), ("ddptrain.lora", 9)]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+# ------------------------------------------------------------------ examples/ and bench/
+
+SCRIPT_DIRS = (ROOT / "examples", ROOT / "bench")  # on sys.path when their files run (sys.path.insert)
+
+
+def _script_modules() -> dict[str, pathlib.Path]:
+    """The importable names of the recipes, their models and the benchmarks (``finetune_tts``,
+    ``models.glmasr``, ``bench_glmasr``, ``multi.glmasr``)."""
+    out = {}
+    for folder in SCRIPT_DIRS:
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            assert name not in out, f"{path} and {out.get(name)} are both importable as {name}"
+            out[name] = path
+    return out
+
+
+def script_graph() -> dict[str, set]:
+    """Every import between those files, function-level ones included: a recipe or benchmark may
+    import a heavy optional dependency late, but an import between two of them inside a function
+    still hides a cycle (finetune_tts -> prepare_tts -> finetune_tts did)."""
+    modules = _script_modules()
+    edges = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            else:
+                continue
+            found |= {n for n in names if n in modules and n != name}
+        edges[name] = found
+    return edges
+
+
+def test_the_examples_and_bench_import_graph_is_acyclic_counting_late_imports():
+    edges = script_graph()
+    assert "finetune_tts" in edges["prepare_tts"] and "models.voxcpm_tts" in edges["finetune_tts"]
+    assert "tts_cache" in edges["finetune_tts"] and "prepare_tts" not in edges["finetune_tts"]  # the cache, not the command
+    assert {"finetune_glmasr", "models.glmasr"} <= edges["bench_glmasr"]  # late imports are edges too
+    cycle = find_cycle(edges)
+    assert not cycle, "import cycle among examples/ and bench/: " + " -> ".join(cycle)
 
 
 def test_python_m_ddptrain_tune_runs_once():

@@ -60,7 +60,7 @@ def test_glmasr_synthetic_loader_is_the_librarys():
 
 def test_tts_loaders_are_the_librarys():
     import finetune_tts as ft
-    from prepare_tts import CachedUtterance
+    from tts_cache import CachedUtterance
 
     cfg = ddptrain.load_config(os.path.join(ROOT, "configs", "tts_dialect.yaml"), [*DATA, "data.max_duration=10"],
                                schema=ft.RecipeConfig)

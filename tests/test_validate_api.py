@@ -178,7 +178,7 @@ def test_glmasr_budget_in_seconds_with_batch_encoder_length(glm_corpus):
 
 def _tts():
     import finetune_tts as ft
-    from prepare_tts import CachedUtterance
+    from tts_cache import CachedUtterance
 
     cfg = ddptrain.load_config(os.path.join(ROOT, "configs", "tts_dialect.yaml"),
                                ["data.num_workers=0", "data.max_duration=10", "tts.max_text_tokens=0"],

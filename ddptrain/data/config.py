@@ -6,7 +6,7 @@ default next to a comment that says what it does; ``ddptrain.data`` reads nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -62,30 +62,3 @@ class DataConfig:
     duration_tolerance: float = 0.1  # seconds of allowed mismatch between manifest and file header
     output_frame_rate: float = 25.0  # model output frames per second (CTC check: text must fit); 0 = off
     max_utterance_duration: float = 0.0  # reject longer utterances; 0 = whatever fits max_duration
-
-
-_CHECKED = "_ddptrain_checked"  # attribute holding the values a section had when it was checked
-
-
-def checked(cfg: DataConfig) -> DataConfig:
-    """``cfg`` after ``ddptrain.config.RULES``' checks, once: the loader's entry points check the
-    section, the parts they build (dataset, feature extractor, sampler) are handed it and do not
-    check it again. A section whose values changed since is checked again.
-
-    Returns:
-        ``cfg``, or a copy with canonical values (``feature_device: GPU`` -> ``gpu``).
-
-    Raises:
-        ConfigError: a value the table rejects; the message names the key.
-    """
-    if getattr(cfg, _CHECKED, None) == _values(cfg):
-        return cfg
-    from ddptrain.config import check_section  # ddptrain.config imports this module
-
-    cfg = check_section(cfg, "data")
-    object.__setattr__(cfg, _CHECKED, _values(cfg))
-    return cfg
-
-
-def _values(cfg) -> str:
-    return repr([getattr(cfg, f.name) for f in fields(cfg)])

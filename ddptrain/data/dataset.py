@@ -32,8 +32,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ddptrain.config import check_section
 from ddptrain.data.audio import load_audio
-from ddptrain.data.config import DataConfig, checked
+from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
 from ddptrain.data.features import BatchFeatureExtractor
 from ddptrain.data.manifest import ManifestEntry
@@ -100,7 +101,7 @@ class SpeechDataset(Dataset):
 
     def _setup(self, cfg: DataConfig, tokenizer, train: bool) -> None:
         """What does not depend on where the audio is stored (``ShardDataset`` shares it)."""
-        cfg = checked(cfg)  # a DataConfig built in Python gets load_config's checks
+        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train = train

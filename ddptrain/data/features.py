@@ -38,7 +38,8 @@ import torch
 import torchaudio
 from torch import Tensor, nn
 
-from ddptrain.data.config import DataConfig, checked
+from ddptrain.config import check_section
+from ddptrain.data.config import DataConfig
 
 FEATURE_KINDS = ("fbank", "logmel", "whisper_logmel")
 WHISPER_WINDOW_S = 30  # Whisper encoders take 30 s windows: 3000 frames of 10 ms
@@ -78,7 +79,7 @@ class BatchFeatureExtractor(nn.Module):
 
     def __init__(self, cfg: DataConfig):
         super().__init__()
-        cfg = checked(cfg)  # a DataConfig built in Python gets load_config's checks
+        cfg = check_section(cfg, "data")  # a DataConfig built in Python gets load_config's checks
         if cfg.features not in FEATURE_KINDS:
             raise ValueError(f"data.features={cfg.features!r}: feature extraction needs one of {FEATURE_KINDS}")
         self.kind = cfg.features

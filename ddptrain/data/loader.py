@@ -36,8 +36,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddptrain import dist
+from ddptrain.config import check_section
 from ddptrain.data.collate import SpeechCollator
-from ddptrain.data.config import DataConfig, checked
+from ddptrain.data.config import DataConfig
 from ddptrain.data.dataset import SpeechDataset
 from ddptrain.data.errors import DataError
 from ddptrain.data.features import BatchFeatureExtractor
@@ -82,7 +83,7 @@ def build_dataloader(
         DataError: bad manifest lines or shard members under ``bad_data: error`` (all listed),
             no utterance left, or ranks that disagree about the data set.
     """
-    cfg = checked(data_cfg)  # a DataConfig built in Python gets load_config's checks, once
+    cfg = check_section(data_cfg, "data")  # a DataConfig built in Python gets load_config's checks, once
     world_size = dist.get_world_size() if world_size is None else world_size
     rank = dist.get_rank() if rank is None else rank
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -137,7 +138,7 @@ def make_loader(dataset, sampler, collate, data_cfg: DataConfig, train: bool = T
         dataset: index -> example.
         sampler: a batch sampler (``DurationBucketSampler.from_config``).
         collate: examples -> batch.
-        data_cfg: the ``data:`` section (checked once: ``ddptrain.data.config.checked``).
+        data_cfg: the ``data:`` section (checked once: ``ddptrain.config.check_section``).
         train: the mode of ``feature_extractor`` (below), as the loader's data are.
 
     Returns:
@@ -149,7 +150,7 @@ def make_loader(dataset, sampler, collate, data_cfg: DataConfig, train: bool = T
     Raises:
         ConfigError: a ``data_cfg`` value outside what ``load_config`` accepts.
     """
-    cfg = checked(data_cfg)
+    cfg = check_section(data_cfg, "data")
     workers = max(0, cfg.num_workers)
     loader = DataLoader(
         dataset,

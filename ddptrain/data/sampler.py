@@ -102,7 +102,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from ddptrain import dist
-from ddptrain.data.config import checked
+from ddptrain.config import check_section
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class DurationBucketSampler(Sampler):
         Args:
             durations: seconds per utterance as the manifest has them, or a dataset with a
                 ``durations`` array (``SpeechDataset``).
-            data_cfg: the ``data:`` section (checked here, once: ``ddptrain.data.config.checked``).
+            data_cfg: the ``data:`` section (checked here, once: ``ddptrain.config.check_section``).
             train: training or evaluation batching (see :func:`sampler_settings`).
             cost: ``seconds -> seconds`` of ``data.max_duration`` an utterance uses, vectorised
                 (a recipe's own, e.g. whole 30 s windows); default: its seconds.
@@ -309,7 +309,7 @@ class DurationBucketSampler(Sampler):
             ConfigError: a ``data_cfg`` value outside what ``load_config`` accepts.
             ValueError: as the class (an utterance over a budget on its own, ...).
         """
-        data_cfg = checked(data_cfg)
+        data_cfg = check_section(data_cfg, "data")
         lengths = getattr(durations, "durations", durations)
         settings = {**sampler_settings(data_cfg, train, world_size, rank, seed), **overrides}
         return cls(budget_lengths(lengths, data_cfg, train, cost), tokens=tokens, max_tokens=max_tokens, **settings)

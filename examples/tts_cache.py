@@ -1,0 +1,194 @@
+"""The TTS latent cache: a corpus encoded to VAE latents once, cached next to each manifest.
+
+VoxCPM trains on the latents of its frozen AudioVAE. Upstream's script encodes every utterance
+with the VAE again in every step; here the VAE runs once per utterance, before training, and the
+trained module never holds it. For ``DIR/NAME.jsonl`` the cache is the folder ``DIR/NAME.latents/``:
+
+* ``meta.json``: what the latents depend on: the VAE (checkpoint file with its size and
+  modification time, or preset + seed of a random one) and the patch size;
+* ``index.jsonl``: one line per utterance: id, text, manifest line, the audio file's size and
+  modification time, latent frames and the latent file;
+* ``<hash of the id>.npy``: ``(frames, latent_dim)`` float32.
+
+Rerunning :func:`prepare` is a no-op when nothing changed (no file is written, the VAE is not even
+loaded); utterances whose audio changed, or that are new, are encoded; a different VAE or patch
+size starts the cache over. Bad data is handled as ``ddptrain.data.validate`` handles it, each
+case named by manifest file and line in its words: malformed lines and duplicate ids (found
+before anything is encoded), then missing, unreadable, corrupt or zero-length audio (found by
+encoding); ``data.bad_data: error`` stops after listing every bad one, ``skip`` leaves them out
+of the cache. The recipe (examples/finetune_tts.py) prepares its manifests itself on rank 0
+before training; ``python examples/prepare_tts.py`` does it beforehand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from ddptrain.data import DataError, Problem, load_audio
+from ddptrain.data.audio import AudioError
+from ddptrain.data.validate import finish_report, read_entries
+
+CACHE_FORMAT = "ddptrain-tts-latents/1"
+
+
+@dataclass(frozen=True)
+class CachedUtterance:
+    id: str
+    text: str
+    latent_path: str  # absolute
+    frames: int  # latent frames (a multiple of the patch size)
+    source: str  # manifest
+    line: int  # its 1-based line
+
+
+def cache_dir(manifest: str) -> str:
+    """``DIR/NAME.jsonl`` -> ``DIR/NAME.latents``."""
+    stem = manifest[:-len(".jsonl")] if manifest.endswith(".jsonl") else manifest
+    return stem + ".latents"
+
+
+def _latent_name(utt_id: str) -> str:
+    return hashlib.blake2b(utt_id.encode(), digest_size=10).hexdigest() + ".npy"
+
+
+def _audio_key(entry) -> list:
+    st = os.stat(entry.audio_filepath) if os.path.exists(entry.audio_filepath) else None
+    return [entry.audio_filepath, entry.offset, entry.duration if entry.is_segment else None,
+            st.st_size if st else None, st.st_mtime_ns if st else None]
+
+
+def _write_atomic(path: str, write: Callable) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_index(path: str) -> dict:
+    rows = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    rows[row["id"]] = row
+    except (OSError, ValueError, KeyError):
+        return {}
+    return rows
+
+
+def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[], tuple],
+            bad_data: str = "error", log: Callable[[str], None] = print) -> dict:
+    """Bring ``manifest``'s latent cache up to date.
+
+    Args:
+        manifest: a NeMo-style JSONL manifest (audio_filepath, text [, duration, offset, id]).
+        vae_spec: what identifies the VAE (JSON-able; see :func:`finetune_tts.vae_spec`).
+        patch_size: the model's latent frames per LM position (latents are padded to whole patches).
+        get_vae: ``() -> (vae, encode)`` with ``encode(vae, wave) -> (frames, D) tensor``; called
+            only if something needs encoding.
+        bad_data: ``error``: raise naming every unreadable utterance; ``skip``: leave them out.
+        log: where the one-line summary goes.
+
+    Returns:
+        ``{"dir", "encoded", "reused", "skipped", "written"}`` (``written``: whether any file changed).
+
+    Raises:
+        DataError: under ``bad_data: error``, malformed manifest lines or duplicate ids (before
+            anything is encoded), or unreadable/corrupt audio (every such utterance named with its
+            manifest line and file). ``skip`` leaves them all out of the cache.
+    """
+    folder = cache_dir(manifest)
+    # the shared manifest checks and policy (ddptrain/data/validate.py): bad lines and duplicate
+    # ids are named by file:line, and under bad_data=error stop the run before any encoding
+    entries, problems = read_entries(manifest)
+    usable = finish_report(entries, problems, bad_data).entries
+    meta = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
+    old_meta = _read_json(os.path.join(folder, "meta.json"))
+    old = _read_index(os.path.join(folder, "index.jsonl")) if old_meta == meta else {}
+    rows, todo, unreadable = [], [], []
+    for e in usable:
+        key, prev = _audio_key(e), old.get(e.id)
+        if prev is not None and prev.get("audio") == key and os.path.isfile(os.path.join(folder, prev["latent"])):
+            rows.append({**prev, "text": e.text, "line": e.line})
+        else:
+            rows.append(None)
+            todo.append((len(rows) - 1, e, key))
+    vae = encode = None
+    for slot, e, key in todo:
+        if vae is None:
+            vae, encode = get_vae()
+            os.makedirs(folder, exist_ok=True)
+        try:
+            wave = load_audio(e.audio_filepath, int(vae.sample_rate), e.offset, e.duration if e.is_segment else None)
+        except AudioError as err:  # worded as ddptrain.data.validate words it (its reasons can be grepped)
+            reason = str(err) if str(err).startswith("zero-length audio") else f"unreadable audio: {err}"
+            if not os.path.exists(e.audio_filepath):
+                reason = f"missing audio file: {e.audio_filepath}"
+            unreadable.append(Problem(e.source, e.line, e.id, reason))
+            continue
+        z = np.ascontiguousarray(encode(vae, wave).numpy().astype(np.float32))
+        name = _latent_name(e.id)
+        _write_atomic(os.path.join(folder, name), lambda f: np.save(f, z))
+        rows[slot] = {"id": e.id, "text": e.text, "line": e.line, "audio": key, "latent": name, "frames": int(z.shape[0])}
+    report = finish_report(entries, problems + unreadable, bad_data)  # error: every bad line, in manifest order
+    for p in report.problems:
+        log(f"skipped: {p}")
+    skipped = report.num_skipped
+    rows = [r for r in rows if r is not None]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    written = len(todo) > len(unreadable)  # some latents were written
+    index_path, meta_path = os.path.join(folder, "index.jsonl"), os.path.join(folder, "meta.json")
+    if not os.path.isfile(index_path) or open(index_path).read() != text:
+        os.makedirs(folder, exist_ok=True)
+        _write_atomic(index_path, lambda f: f.write(text.encode()))
+        written = True
+    if old_meta != meta:
+        _write_atomic(meta_path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        written = True
+    encoded = len(todo) - len(unreadable)
+    summary = {"dir": folder, "encoded": encoded, "reused": len(rows) - encoded, "skipped": skipped, "written": written}
+    log(f"{manifest}: {encoded} encoded, {summary['reused']} cached"
+        + (f", {skipped} skipped (bad lines or audio)" if skipped else "") + f" -> {folder}")
+    return summary
+
+
+def read_cache(manifest: str, vae_spec: dict, patch_size: int) -> list[CachedUtterance]:
+    """The cached utterances of ``manifest`` (after :func:`prepare`).
+
+    Raises:
+        DataError: no cache, one made with another VAE or patch size, or a latent file missing.
+    """
+    folder = cache_dir(manifest)
+    meta = _read_json(os.path.join(folder, "meta.json"))
+    want = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
+    hint = f"run: python examples/prepare_tts.py --config CONFIG {manifest}"
+    if meta is None:
+        raise DataError(f"{manifest}: no latent cache in {folder} ({hint})")
+    if meta != want:
+        raise DataError(f"{folder} was made with another VAE or patch size ({meta.get('vae')}, patch "
+                        f"{meta.get('patch_size')}; this run: {vae_spec}, patch {patch_size}); {hint}")
+    out = []
+    for row in _read_index(os.path.join(folder, "index.jsonl")).values():
+        path = os.path.join(folder, row["latent"])
+        if not os.path.isfile(path):
+            raise DataError(f"{manifest}:{row['line']} (id {row['id']}): latent file {path} is missing; {hint}")
+        out.append(CachedUtterance(row["id"], row["text"], os.path.abspath(path), int(row["frames"]),
+                                   manifest, int(row["line"])))
+    return out
