@@ -33,17 +33,23 @@ only keeps DDP's buffer-broadcast timing. The sum of the reduced micro-batches e
 sum up to bf16 rounding (DDP adds the micro-batches locally, then reduces once); with one
 micro-batch per step the gradients are DDP's bit for bit on 2 ranks.
 
-Buffers (``dist.broadcast_buffers``): broadcast from rank 0 before a forward when the previous
-training forward was not under ``no_sync``, as DDP does (BatchNorm running statistics).
+Buffers (``dist.broadcast_buffers``): broadcast from rank 0 before the first forward and before
+every forward whose predecessor ran with grad enabled outside ``no_sync``, as DDP does (with
+accumulation: once per step, at its first micro-batch). That keeps BatchNorm running statistics
+DDP's bit for bit.
 
-Memory per rank, beyond the owned gradients: the buckets being filled (at most one per owner
-and dtype), the ones in flight (``IN_FLIGHT``, plus those complete but waiting for an earlier
-one), and one tensor's local gradient: a bounded staging of a few ``dist.bucket_cap_mb`` that
-does not grow with the model. After the optimizer step nothing is kept (``p.grad = None``).
+Memory per rank, beyond the owned gradients (``2/N`` B per parameter): the buckets being filled
+(at most one per owner and dtype, when the gradients come in rank 0's order), the ones in
+flight (``IN_FLIGHT``), and one tensor's local gradient. That staging is at most
+``N * dtypes + IN_FLIGHT`` buckets of ``dist.bucket_cap_mb`` (or of one larger tensor) and does
+not grow with the model (``peak_staged`` counts it). After the optimizer step nothing is kept:
+at rest a rank holds no gradient memory at all, where DDP keeps its 2 B/param buckets.
 
-Not supported (refused by the config): ``dist.find_unused_parameters`` (every trainable
-parameter must get a gradient in every backward; a missing one is an error naming it) and
-``dist.comm_hook`` (gradients travel in their own dtype).
+Not supported: ``dist.find_unused_parameters`` (refused by the config: every trainable parameter
+must get a gradient in every backward, and a missing one is an error naming it),
+``dist.comm_hook`` (refused: gradients travel in their own dtype), and, as with DDP, reentrant
+activation checkpointing (``torch.utils.checkpoint(use_reentrant=True)``: a backward inside the
+backward); ddptrain's own recompute is not reentrant.
 """
 
 from __future__ import annotations

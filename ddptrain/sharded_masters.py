@@ -9,7 +9,8 @@ every rank (``8 + 8/N``). A 10.3B-parameter model on 2 GPUs: 103 GB of model sta
 How a step goes (``ddptrain/update.py`` drives it through the MasterWeights interface):
 
 1. DDP all-reduces the bf16 gradients as usual: every rank has the full, true gradient, so the
-   global-norm clip and the non-finite check need nothing new.
+   global-norm clip and the non-finite check need nothing new. (With ``optim.shard_grads``,
+   ddptrain/sharded_grads.py reduces each gradient to its owner instead: ``2 + 2/N + 12/N``.)
 2. Each rank forms fp32 gradients for its own masters only, and a plain (fused, on CUDA) AdamW
    over those masters steps them, or skips on the device when the step was non-finite.
 3. Each rank rounds its updated masters into its bf16 parameters, and every rank's partition is
