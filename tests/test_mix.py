@@ -4,6 +4,7 @@ resume), named sources reach the batches and the recipe's per-source metrics."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -181,3 +182,47 @@ def test_the_demo_mix_config_loads_and_takes_weights_from_the_command_line(monke
                       ["data.train_weights.accent=0.25", "data.train_weights.base=0.75"], schema=schema)
     assert cfg.data.train_weights == {"accent": 0.25, "base": 0.75}
     assert list(cfg.data.train_sources) == list(cfg.data.eval_sources) == ["accent", "base"]
+
+
+# ------------------------------------------------------------------ duplicates across sources (issue 30, item 4)
+
+
+def _lines(entries, **change):
+    return "".join(json.dumps({"audio_filepath": e.audio_filepath, "duration": e.duration, "text": e.text,
+                               **{k: f(i, e) for k, f in change.items()}}) + "\n" for i, e in enumerate(entries))
+
+
+def test_the_same_utterances_in_two_sources_are_found_by_id_and_by_audio_path(two_sources, tmp_path):
+    from ddptrain.data import DataError
+
+    a, _, tok = two_sources
+    new = load_manifest(write_synthetic_corpus(str(tmp_path / "new"), [1.0, 1.2], seed=9))
+    again = tmp_path / "again.jsonl"  # three of a's utterances under other ids, and two new ones
+    again.write_text(_lines(load_manifest(a)[:3], id=lambda i, e: f"other{i}") + _lines(new, id=lambda i, e: f"new{i}"))
+    sources = {"a": a, "again": str(again)}
+    with pytest.raises(DataError) as err:
+        build_dataloader(sources, cfg(sources), tok, train=True)
+    msg = str(err.value)
+    assert f"{again}:1 (id other0): duplicate audio" in msg and f"{a}:1" in msg and f"{again}:4" not in msg
+    loader = build_dataloader(sources, cfg(sources, bad_data="skip"), tok, train=True)
+    assert sum(len(b["ids"]) for b in loader) == 12 + 2  # each utterance once
+    # the same manifest named by two sources: the same ids
+    twice = {"x": a, "y": f"{a},{again}"}
+    with pytest.raises(DataError, match=rf"{a}:1: duplicate id.*source 'x'"):
+        build_dataloader(twice, cfg(twice), tok, train=True)
+    # plain comma-separated manifests: by audio path too
+    with pytest.raises(DataError, match=rf"{again}:2 \(id other1\): duplicate audio"):
+        build_dataloader(f"{a},{again}", cfg(""), tok, train=True)
+
+
+def test_the_same_utterances_in_two_shard_sets_are_found(two_sources, tmp_path):
+    from ddptrain.data import DataError
+
+    a, _, tok = two_sources
+    write_shards(a, str(tmp_path / "one"), shard_size=5)
+    write_shards(a, str(tmp_path / "two"), shard_size=4, seed=3)
+    for sources in ({"x": str(tmp_path / "one"), "y": str(tmp_path / "two")},
+                    {"x": f"{tmp_path / 'one'},{tmp_path / 'two'}"}, {"m": a, "s": str(tmp_path / "two")}):
+        with pytest.raises(DataError, match=r"(?s)12 of 24 utterance\(s\) have problems.*two/shard-0000\d\d.tar:\d+ "
+                                            r"\(id .*\): duplicate id"):
+            build_dataloader(sources, cfg(sources), tok, train=True)

@@ -46,7 +46,7 @@ from ddptrain.data.manifest import ManifestEntry
 from ddptrain.data.mix import SourceCollator, Sources, load_sources, uses_sources
 from ddptrain.data.sampler import DurationBucketSampler, budget_lengths, sampler_settings
 from ddptrain.data.tokenizer import CharTokenizer
-from ddptrain.data.validate import ValidationReport, check_entries, finish_report, read_entries
+from ddptrain.data.validate import ValidationReport, check_entries, duplicate_problems, finish_report, read_entries
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ def build_dataloader(
         entries, problems = read_entries(manifest)
         if cfg.validate:
             problems += _check_sharded(entries, cfg, tokenizer)
+            problems += duplicate_problems([entries], [None], by_id=False)[0]  # one audio in two manifests
             report = finish_report(entries, problems, cfg.bad_data)
             entries = report.entries
             if report.problems:

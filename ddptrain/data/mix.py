@@ -45,7 +45,7 @@ from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import ManifestEntry, split_paths
 from ddptrain.data.shard_sampler import ShardWindowSampler
 from ddptrain.data.shards import ShardDataset, ShardSet, is_shard_spec, load_shards, shard_problems
-from ddptrain.data.validate import ValidationReport, finish_report, read_entries
+from ddptrain.data.validate import ValidationReport, duplicate_problems, finish_report, read_entries
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +280,11 @@ def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable)
                     shards = shards.subset(~mask)
             parts.append(shards)
             part_source.append(s)
+    if cfg.validate:  # the same utterance in two sources (or shard sets) would train twice an epoch
+        twice, parts = duplicate_problems(parts, [items[s][0] for s in part_source])
+        problems += twice
+        dropped = {(p.source, p.line, p.id) for p in twice}
+        good_entries = [e for e in good_entries if (e.source, e.line, e.id) not in dropped]
     report = ValidationReport(good_entries, problems, total)
     if problems and cfg.bad_data == "error":
         raise DataError.from_problems(f"{report.summary()} (data.bad_data=skip would skip them):", problems)

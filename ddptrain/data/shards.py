@@ -11,8 +11,10 @@ dot): ``KEY.flac`` (any extension soundfile decodes: flac, wav, ogg, opus, mp3, 
 (a ``KEY.txt`` transcript instead of the JSON works too). ``python -m ddptrain.data.shards``
 writes them from any manifest, shuffled (so a shard is a random sample of the corpus).
 
-Index: next to ``NAME.tar``, ``NAME.idx.json`` holds one column per field -- key, duration, text
-length, and the byte offset and size of each sample's members -- plus the size of the tar. The
+Index: next to ``NAME.tar``, ``NAME.idx.json`` holds one column per field -- key, utterance id,
+duration, text length, and the byte offset and size of each sample's members -- plus the size of
+the tar. (Version 1 indexes, without the ids, are still read: the keys stand in for the ids;
+``python -m ddptrain.data.shards --index`` rewrites them.) The
 sampler plans an epoch from the index alone; a worker reads a member with one ``os.pread``.
 It is written after its tar (both atomically), so an index means a complete shard.
 
@@ -57,10 +59,11 @@ from ddptrain.data.manifest import load_manifest
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = "ddptrain-shard-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: adds the "ids" column (version 1 is still read)
 AUDIO_EXTS = ("flac", "wav", "ogg", "opus", "mp3", "aiff", "aif", "au", "w64", "caf")
 _COLUMNS = ("keys", "duration", "text_len", "offset", "audio_ext", "audio_offset", "audio_size",
-            "meta_ext", "meta_offset", "meta_size")
+            "meta_ext", "meta_offset", "meta_size", "ids")
+_V1_COLUMNS = _COLUMNS[:-1]
 _BLOCK = 512  # tar block size: member data is padded to a multiple of it
 
 
@@ -166,6 +169,7 @@ def _write_one(path: str, entries, audio: str) -> None:
                 record.update(e.extra)
                 meta = json.dumps(record, ensure_ascii=False).encode("utf-8")
                 cols["keys"].append(key)
+                cols["ids"].append(e.id)
                 cols["duration"].append(e.duration)
                 cols["text_len"].append(len(e.text))
                 cols["offset"].append(tar.offset)
@@ -301,6 +305,7 @@ def _index_sample(tar: tarfile.TarFile, key: str, members: dict, size: int, cols
         except (RuntimeError, OSError, ValueError, TypeError) as e:
             return f"cannot read the audio header of member {key}.{audio}: {e}"
     cols["keys"].append(key)
+    cols["ids"].append(str(record.get("id", key)))
     cols["duration"].append(float(duration))
     cols["text_len"].append(len(text))
     cols["offset"].append(min(members[x].offset for x in members))
@@ -349,6 +354,7 @@ class ShardSet:
     meta_offset: np.ndarray
     meta_size: np.ndarray
     problems: list[Problem] = field(default_factory=list)
+    ids: Optional[PackedStrings] = None  # the records' utterance ids (None: a version-1 index, the keys stand in)
 
     def __len__(self) -> int:
         return int(self.duration.size)
@@ -360,7 +366,12 @@ class ShardSet:
         return ShardSet(self.paths, pick(self.shard), pick(self.number), PackedStrings([self.keys[i] for i in idx]),
                         pick(self.duration), pick(self.text_len), self.exts, pick(self.audio_code),
                         pick(self.audio_offset), pick(self.audio_size), pick(self.meta_code),
-                        pick(self.meta_offset), pick(self.meta_size), list(self.problems))
+                        pick(self.meta_offset), pick(self.meta_size), list(self.problems),
+                        None if self.ids is None else PackedStrings([self.ids[i] for i in idx]))
+
+    def utterance_id(self, i: int) -> str:
+        """The id of utterance ``i`` (its record's ``id``; the key where the index has no ids)."""
+        return (self.ids if self.ids is not None else self.keys)[i]
 
     def fingerprint(self) -> bytes:
         """Bytes that identify the utterances (keys, durations), for the ranks' agreement check."""
@@ -406,9 +417,9 @@ def _read_index(tar_path: str) -> Optional[dict]:
         return None
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: unreadable shard index ({e}); delete it to have it rebuilt") from None
-    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or index.get("version") != INDEX_VERSION:
-        raise DataError(f"{path}: not a {INDEX_FORMAT} version {INDEX_VERSION} file; delete it to have it rebuilt")
-    lengths = {len(index.get(k, ())) for k in _COLUMNS}
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT or index.get("version") not in (1, 2):
+        raise DataError(f"{path}: not a {INDEX_FORMAT} version 1 or {INDEX_VERSION} file; delete it to have it rebuilt")
+    lengths = {len(index.get(k, ())) for k in (_V1_COLUMNS if index["version"] == 1 else _COLUMNS)}
     if len(lengths) != 1:
         raise DataError(f"{path}: columns of different lengths; delete it to have it rebuilt")
     size = os.path.getsize(tar_path)
@@ -424,6 +435,7 @@ def _flatten(paths: list[str], indexes: list[dict]) -> ShardSet:
     cols: dict[str, list] = {k: [] for k in ("shard", "number", "duration", "text_len", "audio_code", "audio_offset",
                                              "audio_size", "meta_code", "meta_offset", "meta_size")}
     keys: list[str] = []
+    ids: Optional[list[str]] = []
     problems: list[Problem] = []
     for s, (path, index) in enumerate(zip(paths, indexes)):
         n = len(index["keys"])
@@ -443,6 +455,10 @@ def _flatten(paths: list[str], indexes: list[dict]) -> ShardSet:
                                     f"its index expects (copy the shard again)"))
         ok = ~cut
         keys += [k for k, good in zip(index["keys"], ok) if good]
+        if ids is not None and "ids" in index:
+            ids += [k for k, good in zip(index["ids"], ok) if good]
+        else:
+            ids = None  # a version-1 index among them: the keys stand in for all ids
         cols["shard"].append(np.full(int(ok.sum()), s, dtype=np.int64))
         cols["number"].append(numbers[ok])
         for col, name in (("duration", "duration"), ("text_len", "text_len"), ("audio_offset", "audio_offset"),
@@ -455,7 +471,7 @@ def _flatten(paths: list[str], indexes: list[dict]) -> ShardSet:
            for k, v in cols.items()}
     return ShardSet(paths, cat["shard"], cat["number"], PackedStrings(keys), cat["duration"], cat["text_len"],
                     list(exts), cat["audio_code"], cat["audio_offset"], cat["audio_size"], cat["meta_code"],
-                    cat["meta_offset"], cat["meta_size"], problems)
+                    cat["meta_offset"], cat["meta_size"], problems, None if ids is None else PackedStrings(ids))
 
 
 def decode_audio(data: bytes, name: str, sample_rate: Optional[int] = None, speed: float = 1.0) -> torch.Tensor:

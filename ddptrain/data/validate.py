@@ -3,7 +3,10 @@
 Checks, per line (the reason strings start with these words, so reports can be grepped):
 
 * ``bad line``: not JSON / missing or mistyped keys (from the manifest parser);
-* ``duplicate id``;
+* ``duplicate id``: within the manifests read together, and (:func:`duplicate_problems`) across
+  every source and shard set of a run;
+* ``duplicate audio``: a line of one manifest file names the audio (file, and segment) of a line
+  of another, under another id (the same utterance would train twice an epoch);
 * ``missing audio file``;
 * ``unreadable audio``: libsndfile cannot parse the header (with ``decode``: the data);
 * ``zero-length audio``;
@@ -241,6 +244,59 @@ def keep_good(entries: Sequence[Located], problems: Sequence[Problem], policy: s
     if not report.entries:
         raise DataError(f"no utterances left in {source} to train or evaluate on (after skipping bad ones)")
     return report.entries
+
+
+def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: bool = True) -> tuple[list[Problem], list]:
+    """The utterances that an earlier part of a run's data already holds, so none trains twice an
+    epoch: by id (``by_id``) across parts and within a shard set, and, where ids differ, by audio
+    for manifest lines of different files (the same file and, for a segment line, the same
+    offset and duration).
+
+    Args:
+        parts: the run's parts in order, each a list of ``ManifestEntry`` (its own duplicate ids
+            already reported by :func:`read_entries`) or a :class:`~ddptrain.data.shards.ShardSet`.
+        names: the source name of each part (named in messages), or None.
+        by_id: False when the caller's parts still hold the duplicate ids read_entries reported.
+
+    Returns:
+        ``(problems, parts)``: one problem per later copy, and the parts without those copies.
+    """
+    from ddptrain.data.shards import ShardSet
+
+    ids: dict[str, str] = {}  # id -> where it was first seen
+    audio: dict[tuple, tuple[str, str, str]] = {}  # (file, offset, segment length) -> (manifest, where, id)
+    problems, out = [], []
+    for part, name in zip(parts, names):
+        label = f"source {name!r} at " if name is not None else ""
+        if isinstance(part, ShardSet):
+            drop = np.zeros(len(part), dtype=bool)
+            for i in range(len(part)):
+                uid, path, num = part.utterance_id(i), part.paths[int(part.shard[i])], int(part.number[i])
+                if by_id and uid in ids:
+                    problems.append(Problem(path, num, uid, f"duplicate id (also {ids[uid]}): it would train twice "
+                                                            "an epoch"))
+                    drop[i] = True
+                else:
+                    ids.setdefault(uid, f"{label}{path}:{num}")
+            out.append(part.subset(~drop) if drop.any() else part)
+            continue
+        keep = []
+        for e in part:
+            where = f"{label}{e.source}:{e.line}"
+            key = (e.audio_filepath, round(e.offset, 3), round(e.duration, 3) if e.is_segment else None)
+            seen = audio.get(key)
+            if by_id and e.id in ids:
+                problems.append(Problem(e.source, e.line, e.id, f"duplicate id (also {ids[e.id]}): it would "
+                                                                "train twice an epoch"))
+            elif seen is not None and seen[0] != e.source and seen[2] != e.id:
+                problems.append(Problem(e.source, e.line, e.id, f"duplicate audio: {e.audio_filepath} is also "
+                                        f"{seen[1]} (id {seen[2]}): it would train twice an epoch"))
+            else:
+                ids.setdefault(e.id, where)
+                audio.setdefault(key, (e.source, where, e.id))
+                keep.append(e)
+        out.append(keep)
+    return problems, out
 
 
 def check_entries(entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, decode: bool = False,
