@@ -117,7 +117,8 @@ def find_blocks(model: nn.Module, globs: Sequence[str] = ()) -> list[tuple[str, 
                               f"itself is not: match its children, e.g. 'layers.*'); lists in this model: {lists}")
         blocks: list[tuple[str, nn.Module]] = []
         for name, m in callable_:
-            if any(fnmatch.fnmatchcase(name, g) for g in globs) and not any(name.startswith(b + ".") for b, _ in blocks):
+            inside = any(name.startswith(b + ".") for b, _ in blocks)  # the outermost match is the block
+            if not inside and any(fnmatch.fnmatchcase(name, g) for g in globs):
                 blocks.append((name, m))
         return blocks
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -231,9 +232,9 @@ def stream_base(model: nn.Module, cfg: Any, device: torch.device,
     for r in recomputed:
         inside = [b for b, _ in blocks if r == "" or b.startswith(r + ".")]
         if inside:
-            raise ConfigError(f"recompute wraps {r or 'the whole model'!r}, which holds the streamed block {inside[0]}: "
-                              "recompute the blocks themselves (or modules inside them), e.g. recompute.module_classes="
-                              f"[{type(blocks[0][1]).__name__}]")
+            raise ConfigError(f"recompute wraps {r or 'the whole model'!r}, which holds the streamed block "
+                              f"{inside[0]}: recompute the blocks themselves (or modules inside them), e.g. "
+                              f"recompute.module_classes=[{type(blocks[0][1]).__name__}]")
     hf = [b for b, m in blocks if getattr(m, "gradient_checkpointing", False)]
     if hf:
         raise ConfigError(f"lora.base_offload=cpu: the model's own gradient checkpointing is on for {hf[0]} (Hugging "

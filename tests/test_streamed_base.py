@@ -343,3 +343,25 @@ def test_default_blocks_are_the_largest_module_list():
     assert [n for n, _ in find_blocks(model)] == [f"blocks.{i}" for i in range(BLOCKS)]
     assert [n for n, _ in find_blocks(model, ["blocks.*", "small.1"])] == [f"blocks.{i}" for i in range(BLOCKS)] + [
         "small.1"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_check_runs_tiny_on_cpu(tmp_path):
+    """bench/check_streamed_base.py --tiny: both modes' rows, the offloaded one with equal losses."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("check_streamed_base", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "check_streamed_base.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--tiny", "--steps", "2", "--out", str(out), "--tmp", str(tmp_path)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["base_offload"], r["seq"]) for r in rows) == [("cpu", 64), ("cpu", 128), ("none", 64), ("none", 128)]
+    for r in rows:
+        assert {"workload", "peer", "world_size", "batch", "tokens_per_s", "peak_alloc_gb", "gpu_memory_gb"} <= set(r)
+        assert "error" not in r and len(r["losses"]) == 3
+        if r["base_offload"] == "cpu":
+            assert r["loss_bitwise_equal"] and r["streamed_blocks"] == 4 and r["copied_gb_per_step"] > 0
