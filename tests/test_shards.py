@@ -266,3 +266,31 @@ def test_a_state_of_another_layout_is_refused():
         windowed(window_shards=4).load_state_dict(state)
     with pytest.raises(ValueError, match="layout_fingerprint"):
         windowed(shards=SHARD[::-1].copy()).load_state_dict(state)
+
+
+def _cut(path, member_name, inside: bool):
+    """Truncate a tar inside member ``member_name``'s data, or right after its (padded) data."""
+    with tarfile.open(path) as tar:
+        m = tar.getmember(member_name)
+    end = m.offset_data + (m.size // 2 if inside else -(-m.size // 512) * 512)
+    with open(path, "r+b") as f:
+        f.truncate(end)
+    return end
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_truncated_shard_without_index_says_how_many_samples_were_lost(corpus, tok, tmp_path, inside):
+    """issue 30, item 3: the members past the cut were lost without a word, and the cut sample was
+    reported as "no transcript" (a cut right after its audio) or the whole set refused as unreadable."""
+    folder = tmp_path / "foreign"
+    foreign_shards(folder, load_manifest(corpus)[:30], per_shard=10)
+    end = _cut(folder / "data-1.tar", "utt013.flac" if inside else "utt015.flac", inside)
+    with pytest.raises(DataError) as err:
+        build_dataloader(str(folder), cfg(), tok, train=True)
+    msg = str(err.value)
+    k = 4 if inside else 6  # the sample the file ends in
+    assert (f"data-1.tar:{k} (id utt01{k - 1}): truncated shard: the file ends at byte {end} in sample {k}" in msg
+            and f"{k - 1} sample(s) before it are read" in msg and f"about {10 - k + 1} lost" in msg), msg
+    assert "no transcript" not in msg and "data-0.tar" not in msg
+    loader = build_dataloader(str(folder), cfg(bad_data="skip"), tok, train=True)
+    assert sum(len(b["ids"]) for b in loader) == 20 + k - 1

@@ -248,7 +248,11 @@ def build_index(tar_path: str) -> dict:
     """Index one shard by reading it: tar headers, JSON records, audio headers where needed.
 
     Samples without audio or transcript are left out and listed under ``"problems"`` (so a saved
-    index reports them on every load); members past the end of the file (a truncated copy) too.
+    index reports them on every load). A tar that ends without its end-of-archive block was cut
+    short (a copy interrupted): the sample the file ends in and every later one are lost; that is
+    one problem, at the first lost sample, saying how many were read (``"truncated"`` records where;
+    :func:`load_shards` adds how many the other shards of the set hold, the best guess of how many
+    followed, which only an index could tell).
 
     Raises:
         DataError: the file is not a readable tar.
@@ -256,9 +260,18 @@ def build_index(tar_path: str) -> dict:
     size = os.path.getsize(tar_path)
     samples: list[tuple[str, dict]] = []
     problems: list[list] = []
+    truncated = False
     try:
         with tarfile.open(tar_path, mode="r:") as tar:
-            for m in tar:
+            while True:
+                try:
+                    m = tar.next()
+                except tarfile.ReadError:  # a member's data runs past the end of the file
+                    truncated = True
+                    break
+                if m is None:
+                    truncated = not _terminated(tar_path, tar.offset)
+                    break
                 hit = _MEMBER.match(m.name) if m.isfile() else None
                 if hit is None:
                     continue
@@ -266,15 +279,57 @@ def build_index(tar_path: str) -> dict:
                 if not samples or samples[-1][0] != key:
                     samples.append((key, {}))
                 samples[-1][1][ext] = m
+            cut = _first_lost(samples, size) if truncated else len(samples) + 1
             cols: dict[str, list] = {k: [] for k in _COLUMNS}
-            for n, (key, members) in enumerate(samples, start=1):
+            for n, (key, members) in enumerate(samples[:cut - 1], start=1):
                 why = _index_sample(tar, key, members, size, cols)
                 if why:
                     problems.append([n, key, why])
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataError(f"{tar_path}: not a readable tar file ({e})") from None
-    return {"format": INDEX_FORMAT, "version": INDEX_VERSION, "tar": os.path.basename(tar_path),
-            "tar_bytes": size, "problems": problems, **cols}
+    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "tar": os.path.basename(tar_path),
+             "tar_bytes": size, "problems": problems, **cols}
+    if truncated:
+        key = samples[cut - 1][0] if cut <= len(samples) else ""
+        problems.append([cut, key, f"truncated shard: the file ends at byte {size} in sample {cut}"
+                                   f"{f' ({key})' if key else ''}: it and every later sample are lost, {cut - 1} "
+                                   "sample(s) before it are read (copy the shard again)"])
+        index["truncated"] = {"first_lost": cut, "at_byte": size}
+    return index
+
+
+def _terminated(tar_path: str, offset: int) -> bool:
+    """Whether a zero block (the end-of-archive marker) follows the last member at ``offset``."""
+    with open(tar_path, "rb") as f:
+        f.seek(offset)
+        block = f.read(_BLOCK)
+    return len(block) == _BLOCK and not any(block)
+
+
+def _first_lost(samples: list, size: int) -> int:
+    """The number of the first sample a cut at byte ``size`` lost: one with a member past the end,
+    else a last sample missing its audio or transcript (its later members were cut), else the next."""
+    for n, (_, members) in enumerate(samples, start=1):
+        if any(m.offset_data + m.size > size for m in members.values()):
+            return n
+    if samples:
+        exts = [x.rsplit(".", 1)[-1].lower() for x in samples[-1][1]]
+        if not any(x in AUDIO_EXTS for x in exts) or not ({"json", "txt"} & set(exts)):
+            return len(samples)
+    return len(samples) + 1
+
+
+def _say_how_many_lost(indexes: list[dict]) -> None:
+    """Add to each truncated shard's problem how many samples the set's complete shards hold: a
+    shard without an index cannot tell how many followed its cut, its siblings give the guess."""
+    full = [len(x["keys"]) + len(x["problems"]) for x in indexes if "truncated" not in x]
+    for x in indexes:
+        if "truncated" in x and not x["truncated"].get("told"):
+            first, problem = x["truncated"]["first_lost"], x["problems"][-1]
+            guess = (f"; the other shards of this set hold up to {max(full)} samples: about "
+                     f"{max(1, max(full) - first + 1)} lost" if full else "; how many followed is not known")
+            problem[2] = problem[2].replace(" (copy the shard again)", f"{guess} (copy the shard again)")
+            x["truncated"]["told"] = True
 
 
 def _index_sample(tar: tarfile.TarFile, key: str, members: dict, size: int, cols: dict) -> str:
@@ -404,6 +459,7 @@ def load_shards(specs: Union[str, Sequence[str]]) -> ShardSet:
         built = mine if w == 1 else {i: x for part in dist.all_gather_object(mine) for i, x in part.items()}
         for i in missing:
             indexes[i] = built[i]
+        _say_how_many_lost(indexes)
     return _flatten(paths, indexes)
 
 
