@@ -338,8 +338,8 @@ class ActivationOffload:
         cuda = device.type == "cuda"
         self.pool = HostPool(pin=cuda)
         self.copies = _CudaCopies(device) if cuda else _CpuCopies()
-        self.stats = dict.fromkeys(("offloaded", "offloaded_bytes", "shared", "loaded_bytes", "prefetched", "kept_weight",
-                                    "kept_small", "kept_other"), 0)
+        self.stats = dict.fromkeys(("offloaded", "offloaded_bytes", "shared", "loaded_bytes", "prefetched",
+                                    "kept_weight", "kept_small", "kept_other"), 0)
         self._shared: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # _key -> _HostCopy
         self._last: Optional[weakref.ref] = None  # the newest region that offloaded something
         self._open: list = []  # hooks contexts of the module calls now running (apply_offload)

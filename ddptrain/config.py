@@ -475,9 +475,10 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
      "recompute.enabled=true needs recompute.module_classes or recompute.name_globs (which modules to recompute)"),
     (("recompute.offload", "recompute.module_classes", "recompute.name_globs"),
      lambda offload, classes, globs: offload == "none" or bool(classes) or bool(globs),
-     "recompute.offload=cpu needs recompute.module_classes or recompute.name_globs (whose saved tensors go to host memory)"),
+     "recompute.offload=cpu needs recompute.module_classes or recompute.name_globs (whose saved tensors go to "
+     "host memory)"),
     (("recompute.offload", "recompute.enabled", "compile.enabled", "compile.module_classes", "compile.name_globs"),
-     lambda offload, recompute, compile_, classes, globs: offload == "none" or recompute or not compile_ or bool(classes or globs),
+     lambda offload, recompute, on, classes, globs: offload == "none" or recompute or not on or bool(classes or globs),
      "recompute.offload=cpu without recompute.enabled needs a regional compile (compile.module_classes or "
      "compile.name_globs) or none: a whole-model torch.compile does not run the saved-tensor hooks that offload"),
     (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
