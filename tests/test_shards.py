@@ -294,3 +294,39 @@ def test_a_truncated_shard_without_index_says_how_many_samples_were_lost(corpus,
     assert "no transcript" not in msg and "data-0.tar" not in msg
     loader = build_dataloader(str(folder), cfg(bad_data="skip"), tok, train=True)
     assert sum(len(b["ids"]) for b in loader) == 20 + k - 1
+
+
+def _garble_audio(path, sample):
+    """Overwrite the middle third of one sample's audio with noise: the header still parses, decoding fails."""
+    with open(index_path(path)) as f:
+        index = json.load(f)
+    off, size = index["audio_offset"][sample], index["audio_size"][sample]
+    with open(path, "r+b") as f:
+        f.seek(off + size // 3)
+        f.write(np.random.default_rng(0).integers(0, 256, size // 3, dtype=np.uint8).tobytes())
+    return index["keys"][sample]
+
+
+def test_validate_decode_covers_shards_as_it_covers_manifests(corpus, tok, tmp_path):
+    """issue 30, item 8: a corrupt member failed only when its batch was reached."""
+    paths = write_shards(corpus, str(tmp_path / "sh"), shard_size=10, shuffle=False)
+    key = _garble_audio(paths[1], 2)
+    build_dataloader(str(tmp_path / "sh"), cfg(), tok, train=True)  # the index alone cannot tell
+    with pytest.raises(DataError, match=rf"shard-000001.tar:3 \(id .*\): unreadable audio: cannot decode .*{key}"):
+        build_dataloader(str(tmp_path / "sh"), cfg(validate_decode=True), tok, train=True)
+    loader = build_dataloader(str(tmp_path / "sh"), cfg(validate_decode=True, bad_data="skip"), tok, train=True)
+    assert sum(len(b["ids"]) for b in loader) == 39
+
+
+def test_the_validate_command_takes_a_shard_folder(corpus, tmp_path, capsys):
+    from ddptrain.data import validate
+
+    paths = write_shards(corpus, str(tmp_path / "sh"), shard_size=10, shuffle=False)
+    assert validate.main([str(tmp_path / "sh")]) == 0
+    assert "40 utterance(s), no problems" in capsys.readouterr().out
+    key = _garble_audio(paths[3], 0)
+    assert validate.main([str(tmp_path / "sh")]) == 0  # an index-level check cannot see it
+    assert validate.main([str(tmp_path / "sh"), "--decode"]) == 1
+    out = capsys.readouterr().out
+    assert f"shard-000003.tar:1 (id " in out and f"unreadable audio: cannot decode audio member {key}.flac" in out
+    assert "1 of 40 utterance(s) have problems" in out

@@ -44,7 +44,7 @@ from ddptrain.data.dataset import BadExample, SpeechDataset
 from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import ManifestEntry, split_paths
 from ddptrain.data.shard_sampler import ShardWindowSampler
-from ddptrain.data.shards import ShardDataset, ShardSet, is_shard_spec, load_shards, shard_problems
+from ddptrain.data.shards import ShardDataset, ShardSet, check_shards, is_shard_spec, load_shards
 from ddptrain.data.validate import ValidationReport, duplicate_problems, finish_report, read_entries
 
 log = logging.getLogger(__name__)
@@ -273,8 +273,8 @@ def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable)
             shards = load_shards(specs)
             total += len(shards) + len(shards.problems)
             problems += shards.problems
-            if cfg.validate:
-                bad, mask = shard_problems(shards, cfg)
+            if cfg.validate:  # as manifest lines: the index's checks, and decoding with validate_decode
+                bad, mask = check_shards(shards, cfg, cfg.validate_decode)
                 problems += bad
                 if bad:
                     shards = shards.subset(~mask)

@@ -41,6 +41,7 @@ import os
 import re
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -674,6 +675,89 @@ def shard_problems(shards: ShardSet, cfg: DataConfig) -> tuple[list[Problem], np
         for i in np.flatnonzero(mask):
             out.append(Problem(shards.paths[int(shards.shard[i])], int(shards.number[i]), shards.keys[i], why(i)))
     return out, bad
+
+
+def decode_problems(shards: ShardSet, cfg: DataConfig, indices: Optional[Sequence[int]] = None,
+                    num_threads: int = 8) -> list[Problem]:
+    """Read and decode utterances of a shard set (all, or those at ``indices``): what
+    ``data.validate_decode`` finds in a manifest's audio files, with the same reasons --
+    ``unreadable audio``, ``zero-length audio``, ``non-finite samples``, ``duration mismatch``
+    (the index's duration against the decoded length, ``data.duration_tolerance``), and a
+    transcript member that does not read (``empty text``, ``unreadable transcript``).
+
+    Returns:
+        One problem per bad utterance, in shard order.
+    """
+    idx = np.arange(len(shards)) if indices is None else np.asarray(indices, dtype=np.int64)
+    groups = [idx[shards.shard[idx] == s] for s in np.unique(shards.shard[idx])]
+
+    def check(members: np.ndarray) -> list[Problem]:
+        path = shards.paths[int(shards.shard[members[0]])]
+        out = []
+        fd = os.open(path, os.O_RDONLY)  # pread: one descriptor serves the thread, no shared position
+        try:
+            for i in members:
+                why = _member_problem(fd, shards, int(i), cfg.duration_tolerance)
+                if why:
+                    out.append(Problem(path, int(shards.number[i]), shards.utterance_id(int(i)), why))
+        finally:
+            os.close(fd)
+        return out
+
+    with ThreadPoolExecutor(max(1, num_threads)) as pool:  # libsndfile releases the GIL while decoding
+        return [p for part in pool.map(check, groups) for p in part]
+
+
+def _member_problem(fd: int, st: ShardSet, i: int, tolerance: float) -> str:
+    key = st.keys[i]
+    meta, audio = f"{key}.{st.exts[int(st.meta_code[i])]}", f"{key}.{st.exts[int(st.audio_code[i])]}"
+    raw = os.pread(fd, int(st.meta_size[i]), int(st.meta_offset[i]))
+    try:
+        record = json.loads(raw) if meta.endswith(".json") else {"text": raw.decode("utf-8")}
+        text = record["text"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        return f"unreadable transcript: member {meta} ({type(e).__name__}: {e})"
+    if not isinstance(text, str) or not text.strip():
+        return f"empty text (member {meta})"
+    data = os.pread(fd, int(st.audio_size[i]), int(st.audio_offset[i]))
+    if len(data) < st.audio_size[i]:
+        return f"truncated shard: member {audio} needs {int(st.audio_size[i])} bytes, {len(data)} are there"
+    frames = 0
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            rate = f.samplerate
+            for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
+                if not np.isfinite(block).all():
+                    return f"non-finite samples: NaN/inf in member {audio}"
+                frames += block.shape[0]
+    except (RuntimeError, OSError, ValueError, TypeError, sf.SoundFileError) as e:
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        return f"unreadable audio: cannot decode audio member {audio}: {why}"
+    if frames == 0:
+        return f"zero-length audio: member {audio}"
+    if abs(frames / rate - float(st.duration[i])) > tolerance:
+        return f"duration mismatch: the index says {float(st.duration[i]):.3f}s, member {audio} has {frames / rate:.3f}s"
+    return ""
+
+
+def check_shards(shards: ShardSet, cfg: DataConfig, decode: bool) -> tuple[list[Problem], np.ndarray]:
+    """Validation of a shard set as of a manifest's lines: :func:`shard_problems` (from the index)
+    and, with ``decode`` (``data.validate_decode``), :func:`decode_problems`, each rank of a
+    process group decoding every W-th utterance.
+
+    Returns:
+        ``(problems, bad)``: the problems and a mask of the utterances with any.
+    """
+    problems, bad = shard_problems(shards, cfg)
+    if decode:
+        w, r = dist.get_world_size(), dist.get_rank()
+        mine = decode_problems(shards, cfg, np.arange(len(shards))[r::w])
+        found = mine if w == 1 else [p for part in dist.all_gather_object(mine) for p in part]
+        where = {(shards.paths[int(s)], int(n)): i for i, (s, n) in enumerate(zip(shards.shard, shards.number))}
+        for p in found:
+            bad[where[(p.source, p.line)]] = True
+        problems += found
+    return problems, bad
 
 
 # ---------------------------------------------------------------------- command line

@@ -28,6 +28,10 @@ The header check is cheap (it reads a few bytes per file, in threads); ``decode`
 file in full, which finds corrupt bodies but costs minutes per thousand hours of audio.
 Anything that slips through is still caught when a worker loads it (see ``dataset.py``).
 
+Shards (a ``.tar``, a folder or glob of them, among the paths) are validated as manifests are:
+their index's problems, the checks that need only a duration and a text length, and with
+``decode`` every member decoded (ddptrain/data/shards.py: ``check_shards``, ``decode_problems``).
+
 Policy (``data.bad_data``): ``error`` raises a :class:`DataError` listing every bad line;
 ``skip`` returns the good entries and the count skipped.
 
@@ -39,7 +43,7 @@ module's (a recipe's context length or batch budget: the command line above woul
 
 Command line::
 
-    python -m ddptrain.data.validate train.jsonl [more.jsonl] [--config configs/x.yaml]
+    python -m ddptrain.data.validate train.jsonl [more.jsonl | shards/] [--config configs/x.yaml]
         [--sample-rate 16000] [--max-duration 200] [--output-frame-rate 25] [--tokenizer vocab.json]
         [--decode] [--threads 8]
 
@@ -121,10 +125,12 @@ def validate_manifest(
     num_threads: int = 8,
     policy: Optional[str] = None,
 ) -> ValidationReport:
-    """Check every line of one or more manifests (see the module docstring for the checks).
+    """Check every line of one or more manifests, and every utterance of shards (see the module
+    docstring for the checks), and that no utterance comes twice (:func:`duplicate_problems`).
 
     Args:
-        manifest: path, comma-separated paths, list of paths, or a list of ``ManifestEntry``.
+        manifest: path, comma-separated paths, list of paths, or a list of ``ManifestEntry``; a
+            path may name shards (a ``.tar``, a folder or glob of them).
         data_cfg: supplies sample rate, budget, tolerance, CTC frame rate...; default config if None.
         tokenizer: check that every character is known (skipped when None).
         decode: decode every file in full; default ``data_cfg.validate_decode``.
@@ -144,9 +150,30 @@ def validate_manifest(
     if policy is not None:
         cfg = replace(cfg, bad_data=policy)
     cfg = check_section(cfg, "data")
-    entries, problems = read_entries(manifest)
-    problems += check_entries(entries, cfg, tokenizer, cfg.validate_decode if decode is None else decode, num_threads)
-    return finish_report(entries, problems, cfg.bad_data)
+    from ddptrain.data.shards import check_shards, is_shard_spec, load_shards
+
+    decode = cfg.validate_decode if decode is None else decode
+    listed = isinstance(manifest, (list, tuple)) and manifest and isinstance(manifest[0], ManifestEntry)
+    paths = [] if listed else split_paths(manifest)
+    specs = [p for p in paths if is_shard_spec(p)]
+    entries, problems = read_entries(manifest if listed or not specs else [p for p in paths if p not in specs])
+    problems += check_entries(entries, cfg, tokenizer, decode, num_threads)
+    parts, counted = [entries], 0
+    if specs:
+        shards = load_shards(specs)
+        bad, _ = check_shards(shards, cfg, decode)
+        problems += shards.problems + bad
+        parts.append(shards)
+        counted = len(shards) + len(shards.problems)
+    problems += duplicate_problems(parts, [None] * len(parts))[0]
+    report = finish_report(entries, problems, "skip")
+    if specs:  # finish_report counts entries plus problems outside them; a shard set's utterances are counted here
+        known, tars = {(e.source, e.line, e.id) for e in entries}, set(shards.paths)
+        unparsed = sum(1 for p in report.problems if p.source not in tars and (p.source, p.line, p.id) not in known)
+        report.num_total = len(entries) + unparsed + counted
+    if report.problems and cfg.bad_data == "error":
+        raise DataError.from_problems(DEFAULT_HEADLINE.replace("{summary}", report.summary()), report.problems)
+    return report
 
 
 def read_entries(manifest: ManifestLike) -> tuple[list[ManifestEntry], list[Problem]]:
@@ -253,31 +280,31 @@ def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: b
     offset and duration).
 
     Args:
-        parts: the run's parts in order, each a list of ``ManifestEntry`` (its own duplicate ids
-            already reported by :func:`read_entries`) or a :class:`~ddptrain.data.shards.ShardSet`.
+        parts: the run's parts in order, each a list of ``ManifestEntry`` (the duplicate ids within
+            one list are :func:`read_entries`' to report) or a :class:`~ddptrain.data.shards.ShardSet`.
         names: the source name of each part (named in messages), or None.
-        by_id: False when the caller's parts still hold the duplicate ids read_entries reported.
+        by_id: also compare ids (False: audio only).
 
     Returns:
         ``(problems, parts)``: one problem per later copy, and the parts without those copies.
     """
     from ddptrain.data.shards import ShardSet
 
-    ids: dict[str, str] = {}  # id -> where it was first seen
+    ids: dict[str, tuple[int, str]] = {}  # id -> (its part, where it was first seen)
     audio: dict[tuple, tuple[str, str, str]] = {}  # (file, offset, segment length) -> (manifest, where, id)
     problems, out = [], []
-    for part, name in zip(parts, names):
+    for k, (part, name) in enumerate(zip(parts, names)):
         label = f"source {name!r} at " if name is not None else ""
         if isinstance(part, ShardSet):
             drop = np.zeros(len(part), dtype=bool)
             for i in range(len(part)):
                 uid, path, num = part.utterance_id(i), part.paths[int(part.shard[i])], int(part.number[i])
                 if by_id and uid in ids:
-                    problems.append(Problem(path, num, uid, f"duplicate id (also {ids[uid]}): it would train twice "
+                    problems.append(Problem(path, num, uid, f"duplicate id (also {ids[uid][1]}): it would train twice "
                                                             "an epoch"))
                     drop[i] = True
                 else:
-                    ids.setdefault(uid, f"{label}{path}:{num}")
+                    ids.setdefault(uid, (k, f"{label}{path}:{num}"))
             out.append(part.subset(~drop) if drop.any() else part)
             continue
         keep = []
@@ -285,14 +312,14 @@ def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: b
             where = f"{label}{e.source}:{e.line}"
             key = (e.audio_filepath, round(e.offset, 3), round(e.duration, 3) if e.is_segment else None)
             seen = audio.get(key)
-            if by_id and e.id in ids:
-                problems.append(Problem(e.source, e.line, e.id, f"duplicate id (also {ids[e.id]}): it would "
+            if by_id and ids.get(e.id, (k,))[0] != k:  # within one part: read_entries' own check
+                problems.append(Problem(e.source, e.line, e.id, f"duplicate id (also {ids[e.id][1]}): it would "
                                                                 "train twice an epoch"))
             elif seen is not None and seen[0] != e.source and seen[2] != e.id:
                 problems.append(Problem(e.source, e.line, e.id, f"duplicate audio: {e.audio_filepath} is also "
                                         f"{seen[1]} (id {seen[2]}): it would train twice an epoch"))
             else:
-                ids.setdefault(e.id, where)
+                ids.setdefault(e.id, (k, where))
                 audio.setdefault(key, (e.source, where, e.id))
                 keep.append(e)
         out.append(keep)
@@ -420,7 +447,7 @@ def _decode_problem(path: str, header_frames: int) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddptrain.data.validate",
                                 description="Check manifests for bad lines; exit 1 if any.")
-    p.add_argument("manifests", nargs="+", help="JSONL manifest(s)")
+    p.add_argument("manifests", nargs="+", help="JSONL manifest(s), or shards: a .tar, a folder or glob of them")
     p.add_argument("--config", help="YAML config whose data: section supplies the defaults")
     p.add_argument("--sample-rate", type=int)
     p.add_argument("--max-duration", type=float, help="batch budget in seconds")
