@@ -330,3 +330,43 @@ def test_the_validate_command_takes_a_shard_folder(corpus, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"shard-000003.tar:1 (id " in out and f"unreadable audio: cannot decode audio member {key}.flac" in out
     assert "1 of 40 utterance(s) have problems" in out
+
+
+def test_a_shard_whose_members_are_not_adjacent_is_indexed_by_key(corpus, tok, tmp_path, caplog):
+    """issue 30, item 9: all audio first, then all transcripts: "20 of 20 ... no audio member" for
+    a 10-utterance shard."""
+    entries = load_manifest(corpus)[:10]
+    (tmp_path / "odd").mkdir()
+    with tarfile.open(tmp_path / "odd" / "data.tar", "w") as tar:
+        for ext in ("flac", "txt"):
+            for n, e in enumerate(entries):
+                data = open(e.audio_filepath, "rb").read() if ext == "flac" else e.text.encode()
+                info = tarfile.TarInfo(f"utt{n:03d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    with caplog.at_level("WARNING", logger="ddptrain.data.shards"):
+        loader = build_dataloader(str(tmp_path / "odd"), cfg(), tok, train=False)
+    got = {i: t for b in loader for i, t in zip(b["ids"], b["texts"])}
+    assert got == {f"utt{n:03d}": e.text for n, e in enumerate(entries)}
+    assert "members of 10 sample(s) are not adjacent" in caplog.text and "utt000.txt" in caplog.text
+
+
+def test_an_index_that_no_longer_matches_its_tar_is_rebuilt(corpus, tok, tmp_path, caplog):
+    """issue 30, item 9: a tar rewritten with other content of the same size kept its old index,
+    and training met decode errors (or other utterances' transcripts)."""
+    path = write_shards(corpus, str(tmp_path / "sh"), shard_size=20, shuffle=False)[0]
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    size = os.path.getsize(path)
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:  # the same members, samples in reverse order
+        for i in range(len(members) - 2, -1, -2):
+            for m, data in members[i:i + 2]:
+                tar.addfile(m, io.BytesIO(data))
+    assert os.path.getsize(path) == size
+    with caplog.at_level("WARNING", logger="ddptrain.data.shards"):
+        loader = build_dataloader(str(tmp_path / "sh"), cfg(), tok, train=False)
+    assert "stale" in caplog.text and os.path.basename(path) in caplog.text
+    texts = {e.id: e.text for e in load_manifest(corpus)}
+    for b in loader:
+        for i, t in zip(b["ids"], b["texts"]):
+            assert texts[i] == t

@@ -16,11 +16,15 @@ duration, text length, and the byte offset and size of each sample's members -- 
 the tar. (Version 1 indexes, without the ids, are still read: the keys stand in for the ids;
 ``python -m ddptrain.data.shards --index`` rewrites them.) The
 sampler plans an epoch from the index alone; a worker reads a member with one ``os.pread``.
-It is written after its tar (both atomically), so an index means a complete shard.
+It is written after its tar (both atomically), so an index means a complete shard. It also keeps
+a signature of the tar (a hash of a few samples' tar headers): a tar rewritten after its index
+(another content, even of the same size) is found stale when read, and indexed again.
 
 Shards written by other tools: a shard without an index is indexed when first read (its tar
 headers, the JSON records, and the audio header where a record has no duration); with a process
-group each rank indexes a 1/W share. The index is saved next to the shard where that folder is
+group each rank indexes a 1/W share. Members are grouped by key, so a tar whose samples' members
+are not adjacent (all audio, then all transcripts) is indexed as it is, with a warning: ddptrain
+reads members by offset, streaming readers need the WebDataset order. The index is saved next to the shard where that folder is
 writable, else kept for this run only, with a warning. Compressed shards (``.tar.gz``) are
 refused: a compressed stream cannot be read at an offset.
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import io
 import json
 import logging
@@ -185,7 +190,20 @@ def _write_one(path: str, entries, audio: str) -> None:
         os.fsync(raw.fileno())
     os.replace(tmp, path)
     _save_index(path, {"format": INDEX_FORMAT, "version": INDEX_VERSION, "tar": os.path.basename(path),
-                       "tar_bytes": os.path.getsize(path), "problems": [], **cols})
+                       "tar_bytes": os.path.getsize(path), "signature": _signature(path, cols["offset"]),
+                       "problems": [], **cols})
+
+
+def _signature(tar_path: str, offsets: Sequence[int]) -> str:
+    """A hash of the tar headers of up to 8 samples spread over the shard (their member names and
+    sizes): a tar rewritten after its index, even to the same size, changes it. 8 small reads."""
+    picks = sorted({int(round(x)) for x in np.linspace(0, len(offsets) - 1, min(len(offsets), 8))}) if offsets else []
+    h = hashlib.sha1(str(len(offsets)).encode())
+    with open(tar_path, "rb") as f:
+        for j in picks:
+            f.seek(int(offsets[j]))
+            h.update(f.read(_BLOCK))
+    return h.hexdigest()[:16]
 
 
 def _audio_bytes(e, audio: str) -> tuple[bytes, str]:
@@ -259,9 +277,9 @@ def build_index(tar_path: str) -> dict:
         DataError: the file is not a readable tar.
     """
     size = os.path.getsize(tar_path)
-    samples: list[tuple[str, dict]] = []
+    groups: dict[str, dict] = {}  # key -> {extension: member}, in the order the keys first appear
     problems: list[list] = []
-    truncated = False
+    truncated, last, scattered, repeated, count = False, None, [], {}, 0
     try:
         with tarfile.open(tar_path, mode="r:") as tar:
             while True:
@@ -277,19 +295,31 @@ def build_index(tar_path: str) -> dict:
                 if hit is None:
                     continue
                 key, ext = hit.group(1), hit.group(2)
-                if not samples or samples[-1][0] != key:
-                    samples.append((key, {}))
-                samples[-1][1][ext] = m
+                count += 1
+                if key in groups and key != last and len(scattered) < 10 ** 6:
+                    scattered.append((key, ext, count))  # a member of a sample that began earlier
+                if ext in groups.setdefault(key, {}):
+                    repeated.setdefault(key, f"{key}.{ext}")
+                groups[key][ext] = m
+                last = key
+            samples = list(groups.items())
+            if scattered:
+                key, ext, at = scattered[0]
+                log.warning("%s: the members of %d sample(s) are not adjacent (e.g. %s.%s is member %d, after "
+                            "members of other samples): indexed by key, as ddptrain reads members by offset; "
+                            "streaming (WebDataset) readers need each sample's members together", tar_path,
+                            len({k for k, _, _ in scattered}), key, ext, at)
             cut = _first_lost(samples, size) if truncated else len(samples) + 1
             cols: dict[str, list] = {k: [] for k in _COLUMNS}
             for n, (key, members) in enumerate(samples[:cut - 1], start=1):
-                why = _index_sample(tar, key, members, size, cols)
+                why = (f"member {repeated[key]} appears more than once in the shard: which one is the sample's is "
+                       "not known" if key in repeated else _index_sample(tar, key, members, size, cols))
                 if why:
                     problems.append([n, key, why])
     except (tarfile.TarError, OSError, EOFError) as e:
         raise DataError(f"{tar_path}: not a readable tar file ({e})") from None
     index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "tar": os.path.basename(tar_path),
-             "tar_bytes": size, "problems": problems, **cols}
+             "tar_bytes": size, "signature": _signature(tar_path, cols["offset"]), "problems": problems, **cols}
     if truncated:
         key = samples[cut - 1][0] if cut <= len(samples) else ""
         problems.append([cut, key, f"truncated shard: the file ends at byte {size} in sample {cut}"
@@ -483,6 +513,10 @@ def _read_index(tar_path: str) -> Optional[dict]:
     if size > index["tar_bytes"]:  # the shard was rewritten after its index
         log.warning("%s is larger than its index says (%d > %d bytes): indexing it again", tar_path, size,
                     index["tar_bytes"])
+        return None
+    if size == index["tar_bytes"] and "signature" in index and _signature(tar_path, index["offset"]) != index["signature"]:
+        log.warning("%s: its index %s is stale (the tar's member headers are not the ones it recorded: the tar "
+                    "was rewritten after it, to the same size): indexing it again", tar_path, path)
         return None
     return index
 
