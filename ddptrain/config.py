@@ -24,7 +24,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ddptrain.data.config import DataConfig
@@ -433,9 +433,9 @@ RULES: dict[str, Rule] = {
     "data.max_utterance_duration": at_least(0),
 }
 
-# Rules over several keys of one section: (keys, ok(*values), what is wrong), checked after the
-# keys' own rules, so the values are canonical.
-_TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
+# Rules over several keys of one section: (keys, ok(*values), what is wrong: a text, or a function
+# of the values that words it), checked after the keys' own rules, so the values are canonical.
+_TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
     (("trainer.max_epochs", "trainer.max_steps"), lambda epochs, steps: epochs >= 1 or steps > 0,
      "trainer.max_epochs must be >= 1 when trainer.max_steps=0 (nothing would train)"),
     (("trainer.param_dtype", "trainer.precision"), lambda dtype, precision: dtype != "bf16" or precision == "bf16",
@@ -487,7 +487,7 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], str]] = [
      "data.eval_manifest and data.eval_sources both name the evaluation data: set one of them"),
     (("data.train_sources", "data.train_weights"),
      lambda sources, weights: not weights or (set(weights) == set(sources) and sum(weights.values()) > 0),
-     "data.train_weights needs one weight per name of data.train_sources (and no other name), not all 0"),
+     lambda sources, weights: _weights_why(sources, weights)),
     (("data.features", "data.sample_rate", "data.frame_length_ms", "data.frame_shift_ms"),
      lambda kind, rate, length, shift: kind == "raw" or (int(rate * length / 1000) >= 2 and int(rate * shift / 1000) >= 1),
      "data.frame_length_ms / data.frame_shift_ms are under 2 / 1 samples at data.sample_rate"),
@@ -516,6 +516,19 @@ def schema_rules(schema: type) -> tuple[list[dict[str, Rule]], list[tuple]]:
         ``([RULES, the class's RULES], _TOGETHER + the class's RULES_TOGETHER)``.
     """
     return [RULES, dict(getattr(schema, "RULES", {}))], _TOGETHER + list(getattr(schema, "RULES_TOGETHER", []))
+
+
+def _weights_why(sources: dict, weights: dict) -> str:
+    """What is wrong with data.train_weights, naming the bad name and the valid ones."""
+    names = ", ".join(map(str, sources)) or "none: weights need named sources, data.train_sources={name: path}"
+    head = "data.train_weights needs one weight per name of data.train_sources (and no other name), not all 0"
+    unknown, missing = sorted(set(weights) - set(sources)), [s for s in sources if s not in weights]
+    if unknown:
+        return (f"{head}: data.train_weights names {', '.join(map(repr, unknown))}, which is not a source of "
+                f"data.train_sources ({names})")
+    if missing:
+        return f"{head}: data.train_weights has no weight for {', '.join(map(repr, missing))} (sources: {names})"
+    return f"{head}: every weight is 0"
 
 
 def check_section(section: Any, name: str) -> Any:
@@ -607,9 +620,10 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
         found = [holder_of(k) for k in keys]
         if any(obj is None for obj, _ in found):
             continue
-        if not ok(*(getattr(obj, leaf) for obj, leaf in found)):
+        values = [getattr(obj, leaf) for obj, leaf in found]
+        if not ok(*values):
             where = sorted({origins[k] for k in keys if k in origins})
-            raise ConfigError(f"{'; '.join(where) + ': ' if where else ''}{why}")
+            raise ConfigError(f"{'; '.join(where) + ': ' if where else ''}{why(*values) if callable(why) else why}")
     return root
 
 
@@ -681,6 +695,34 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
         raise ConfigError(f"{origin}: bad value for '{e.full_key or key}': {why}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {e}") from None
+    except TypeError as e:  # OmegaConf's "Cannot merge incompatible container types" names no key
+        clash = _container_clash(base, other)
+        if clash is None:
+            raise ConfigError(f"{origin}: {e}") from None
+        where, wants_mapping = clash
+        raise ConfigError(f"{origin}: {where} takes " + ("a mapping {name: value}, not a list" if wants_mapping else
+                          "a list [a, b, ...], not a mapping") + f" (e.g. {where}="
+                          + ("{a: 1, b: 2})" if wants_mapping else "[1, 2])")) from None
+
+
+def _container_clash(base: DictConfig, other: DictConfig, prefix: str = "") -> Optional[tuple[str, bool]]:
+    """The first key where ``other`` gives a list for a mapping of ``base`` or the reverse:
+    ``(dotted key, whether base has a mapping)``, or None."""
+    for k in other:
+        try:
+            if k not in base:
+                continue
+            b, o = base[k], other[k]
+        except OmegaConfBaseException:
+            continue
+        if isinstance(b, DictConfig) and isinstance(o, DictConfig):
+            found = _container_clash(b, o, f"{prefix}{k}.")
+            if found:
+                return found
+        elif isinstance(b, (DictConfig, ListConfig)) and isinstance(o, (DictConfig, ListConfig)) and \
+                isinstance(b, DictConfig) != isinstance(o, DictConfig):
+            return f"{prefix}{k}", isinstance(b, DictConfig)
+    return None
 
 
 def to_yaml(cfg: Any) -> str:

@@ -332,3 +332,31 @@ def test_the_trainer_checks_a_config_built_in_python(tmp_path):
     cfg.optim.lr = -1.0
     with pytest.raises(ConfigError, match=r"optim.lr=-1.0 must be > 0"):
         _python_trainer(cfg)
+
+
+# --------------------------------------------- errors that say what to change (issue 30, items 10 and 11)
+
+
+def test_a_weight_for_a_source_that_does_not_exist_names_it_and_the_sources():
+    sources = "data.train_sources={accent: a.jsonl, base: b.jsonl}"
+    with pytest.raises(ConfigError, match=r"data.train_weights names 'acent', which is not a source of "
+                                          r"data.train_sources \(accent, base\)"):
+        load_config(None, [sources, "data.train_weights={acent: 1, base: 1}"])
+    with pytest.raises(ConfigError, match=r"data.train_weights has no weight for 'base' \(sources: accent, base\)"):
+        load_config(None, [sources, "data.train_weights={accent: 1}"])
+    with pytest.raises(ConfigError, match=r"data.train_weights names 'a', .* \(none: weights need named sources"):
+        load_config(None, ["data.train_weights={a: 1}"])
+
+
+@pytest.mark.parametrize("override,key,want", [("data.train_weights=[1,2]", "data.train_weights", "a mapping"),
+                                               ("optim.betas={a: 1}", "optim.betas", "a list"),
+                                               ("data.eval_sources=[x.jsonl]", "data.eval_sources", "a mapping")])
+def test_a_list_for_a_mapping_or_the_reverse_names_the_key(tmp_path, override, key, want):
+    with pytest.raises(ConfigError, match=rf"override '{override.replace('[', '.').replace(']', '.')}': "
+                                          rf"{key} takes {want}"):
+        load_config(None, [override])
+    path = tmp_path / "c.yaml"
+    section, leaf = key.split(".")
+    path.write_text(f"{section}:\n  {leaf}: {override.split('=', 1)[1]}\n")
+    with pytest.raises(ConfigError, match=rf"c.yaml: {key} takes {want}"):
+        load_config(str(path))
