@@ -65,7 +65,7 @@ __all__ = ["CheckpointError", "COMPLETE", "CHECKSUMS", "checkpoint_root", "list_
            "newest_intact", "damage", "ensure_intact", "check_writable",
            "unwrap", "save_weights", "weights_file", "read_weights", "trainable_keys", "base_fingerprint",
            "weights_to_save", "weights_info", "resolve_base", "resume_keys", "load_weights", "apply_weights",
-           "save", "read_meta", "resolve", "load", "prune"]
+           "save", "read_meta", "resolve", "load", "prune", "produces"]
 
 
 # ----------------------------------------------------------------------------- paths
@@ -565,6 +565,16 @@ def _run_id_of(path: str) -> Optional[str]:
             return json.load(f).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def produces(result: dict, metric: str, sources=()) -> bool:
+    """Whether an evaluation's ``result`` has keep_best's ``metric``. With ``sources`` (a probe of
+    a few batches, which need not hold every source), a per-source name ``base/source`` counts when
+    ``source`` is one of them and ``base`` (or ``base/`` of another source) was produced."""
+    if metric in result:
+        return True
+    base, _, source = metric.rpartition("/")
+    return bool(base) and source in set(map(str, sources)) and any(k == base or k.startswith(base + "/") for k in result)
 
 
 def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str, run_id: str) -> list[str]:

@@ -319,7 +319,10 @@ class Trainer:
             batches = None  # shut workers down now, even on an exception (see _steps)
         result = reduce_ratios(sums, self.device)
         c = self.cfg.checkpoint
-        if own and c.keep_best > 0 and c.best_metric not in result:
+        # a probe's batches need not hold every eval source: a per-source name counts if its source exists
+        named = getattr(getattr(self.eval_data, "dataset", None), "names", None) or ()  # a MixedDataset's
+        sources = [*self.cfg.data.eval_sources, *named]
+        if own and c.keep_best > 0 and not ckpt.produces(result, c.best_metric, sources if max_batches else ()):
             raise ConfigError(f"checkpoint.best_metric={c.best_metric!r} is not a metric this run's evaluation "
                               f"produces ({', '.join(result)}); checkpoint.keep_best needs one of them")
         if own and not max_batches:

@@ -214,3 +214,26 @@ def test_keep_best_gets_a_metric_for_every_scheduled_checkpoint(tmp_path):
     metrics = {p: json.load(open(root / p / "meta.json"))["metrics"] for p in sorted(os.listdir(root))}
     assert list(metrics) == ["step_00000002", "step_00000004", "step_00000006"]
     assert all("loss" in m for m in metrics.values()), metrics
+
+
+def test_keep_best_probe_accepts_a_metric_of_a_source_its_first_batch_lacks(tmp_path):
+    """issue 30, item 12: the one-batch probe refused a valid per-source metric (``err/b``)
+    because the first evaluation batch held no utterance of source b."""
+    data = micro_batches(3)[0]
+    evals = [dict(data[0], sources=["a"] * 3), dict(data[1], sources=["b"] * 2)]
+
+    def per_source(model, batch):
+        sse, n = frame_loss(model, batch)
+        return {f"err/{s}": (float(sse), float(n)) for s in set(batch["sources"])}
+
+    def trainer(tmp, metric):
+        cfg = make_cfg(tmp, "trainer.max_steps=2", "checkpoint.keep_best=1", f"checkpoint.best_metric={metric}",
+                       "data.eval_sources={a: a.jsonl, b: b.jsonl}")
+        torch.manual_seed(0)
+        return ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data, eval_data=evals, metrics_fn=per_source)
+
+    t = trainer(tmp_path / "ok", "err/b")
+    assert "err/b" in t.fit()
+    for bad in ("err/c", "wer/b"):  # not a source; not a metric the run produces
+        with pytest.raises(ddptrain.ConfigError, match=rf"best_metric='{bad}' is not a metric"):
+            trainer(tmp_path / bad.replace("/", "_"), bad).fit()
