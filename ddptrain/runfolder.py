@@ -6,7 +6,9 @@ checkpoints and overwrite some of them. So:
 
 * rank 0 holds an exclusive ``flock`` on ``<output_dir>/.lock`` from the Trainer's start to the
   end of ``fit()`` (or ``close()``); the kernel drops it when the process dies, however it dies.
-  A second run is refused at once with the holder's pid, host and start time.
+  A second run is refused at once with the holder's pid, host and start time. A flock belongs to
+  the open file, which a fork shares: a forked child (a DataLoader worker) closes its copy at once
+  (``os.register_at_fork``), so workers that outlive a killed run do not hold its folder.
 * every run has an id, written into each of its checkpoints; a resume from this folder's own
   checkpoints continues that run (same id). Only checkpoints with the run's id are ever pruned
   or overwritten (see checkpoint.py).
@@ -42,6 +44,20 @@ from ddptrain.checkpoint import (CheckpointError, check_writable, checkpoint_roo
                                  newest_intact, read_checksums, resolve)
 
 LOCK = ".lock"
+_HELD: set[int] = set()  # the descriptors of the locks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the parent's lock descriptors (the parent's lock stays held)."""
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 ARCHIVE = "archive"
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml")  # what tells that a run was here
 
@@ -56,6 +72,7 @@ class FolderLock:
     def __init__(self, output_dir: str):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, LOCK)
+        self._pid = os.getpid()  # a forked child's copy of this object must not close a descriptor
         self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -63,20 +80,39 @@ class FolderLock:
             holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
             os.close(self._fd)
             self._fd = None
-            raise CheckpointError(f"{output_dir} is in use by another run ({holder}); wait for it to "
-                                  "finish, or give this run another trainer.output_dir") from None
+            raise CheckpointError(f"{output_dir} is in use by another run ({holder}){_if_dead(holder)}; wait "
+                                  "for it to finish, or give this run another trainer.output_dir") from None
+        _HELD.add(self._fd)
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, info.encode(), 0)
 
     def release(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._pid == os.getpid():
+            _HELD.discard(self._fd)
             os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+        self._fd = None
 
     def __del__(self):
         self.release()
+
+
+def _if_dead(holder: str) -> str:
+    """A note when the recorded holder is a process of this host that has exited: what holds the
+    lock then is a child it forked before ddptrain closed locks in children (or a child it exec'd
+    with the descriptor passed on)."""
+    try:
+        info = json.loads(holder)
+        if info.get("host") != socket.gethostname():
+            return ""
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return (f"; pid {info['pid']} has exited, so a process it started still holds the lock: it ends "
+                "with that process (ps -o pid,ppid,cmd to find it)")
+    except (ValueError, KeyError, TypeError, PermissionError, OSError):
+        pass
+    return ""
 
 
 def open_run(cfg: Any, is_main: bool, device: torch.device) -> tuple[Optional[FolderLock], Optional[str], str]:

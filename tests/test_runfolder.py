@@ -154,3 +154,25 @@ def test_write_file_archives_the_version_it_replaces(tmp_path):
     assert (tmp_path / "report.json").read_text() == '{"a": 2}'
     again = write_file(str(tmp_path), "report.json", '{"a": 3}')  # within the same second: its own folder
     assert again != old and open(again).read() == '{"a": 2}' and open(old).read() == '{"a": 1}'
+
+
+def test_forked_workers_do_not_hold_the_folder_lock(tmp_path):
+    """issue 30, item 14: a restart right after a SIGKILL was refused while the dead run's DataLoader
+    workers (forked, so holding the lock's descriptor) were still alive."""
+    holder = textwrap.dedent(f"""
+        import multiprocessing, os, time
+        from ddptrain.runfolder import FolderLock
+        lock = FolderLock({str(tmp_path)!r})
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+        worker.start()  # as a DataLoader worker is started
+        print(worker.pid, flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())  # not communicate(): the worker holds the pipe open too
+    assert proc.wait(timeout=60) == -9
+    try:
+        os.kill(worker, 0)  # the worker outlives its parent
+        FolderLock(str(tmp_path)).release()  # not refused
+    finally:
+        os.kill(worker, 9)
