@@ -237,3 +237,23 @@ def test_keep_best_probe_accepts_a_metric_of_a_source_its_first_batch_lacks(tmp_
     for bad in ("err/c", "wer/b"):  # not a source; not a metric the run produces
         with pytest.raises(ddptrain.ConfigError, match=rf"best_metric='{bad}' is not a metric"):
             trainer(tmp_path / bad.replace("/", "_"), bad).fit()
+
+
+def _damaged_rank_file_worker(rank, world, out):
+    data = [mb[rank] for mb in micro_batches(4)]
+    cfg = make_cfg(out, "trainer.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0")
+    torch.manual_seed(0)
+    ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data).fit()
+    if rank == 0:  # another rank's file: rank 0 checks every file of the folder before the ranks load
+        _corrupt_in_place(os.path.join(out, "checkpoints", "step_00000004", "rng_rank1.pt"))
+    ddptrain.dist.barrier()
+    torch.manual_seed(0)
+    t = ddptrain.Trainer(FrameMLP(), frame_loss, make_cfg(out, "trainer.max_steps=6", "checkpoint.resume=auto"), data)
+    assert t.step == 2, t.step
+    t.fit()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_fall_back_together_past_a_damaged_rank_file(tmp_path):
+    run_ranks(_damaged_rank_file_worker, 2, str(tmp_path))
+    assert (tmp_path / "checkpoints" / "step_00000006" / ckpt.CHECKSUMS).exists()
