@@ -69,6 +69,7 @@ from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
 from ddptrain.data.manifest import ManifestEntry, duplicate_id_problems, parse_manifest, split_paths
 from ddptrain.data.sampler import padded_cost
+from ddptrain.data.shards import ShardSet, check_shards, is_shard_spec, load_shards
 from ddptrain.data.tokenizer import CharTokenizer
 
 ManifestLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], Sequence[ManifestEntry]]
@@ -150,8 +151,6 @@ def validate_manifest(
     if policy is not None:
         cfg = replace(cfg, bad_data=policy)
     cfg = check_section(cfg, "data")
-    from ddptrain.data.shards import check_shards, is_shard_spec, load_shards
-
     decode = cfg.validate_decode if decode is None else decode
     listed = isinstance(manifest, (list, tuple)) and manifest and isinstance(manifest[0], ManifestEntry)
     paths = [] if listed else split_paths(manifest)
@@ -288,8 +287,6 @@ def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: b
     Returns:
         ``(problems, parts)``: one problem per later copy, and the parts without those copies.
     """
-    from ddptrain.data.shards import ShardSet
-
     ids: dict[str, tuple[int, str]] = {}  # id -> (its part, where it was first seen)
     audio: dict[tuple, tuple[str, str, str]] = {}  # (file, offset, segment length) -> (manifest, where, id)
     problems, out = [], []
