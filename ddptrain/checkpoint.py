@@ -441,10 +441,12 @@ def resolve(path: str, say=print) -> str:
     read_meta(path)
     why = damage(path)
     if why:
-        older = [p for s, p in list_complete(os.path.dirname(os.path.normpath(path)))
-                 if p != os.path.normpath(path) and not damage(p)]
+        m = STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+        before = [p for s, p in list_complete(os.path.dirname(os.path.normpath(path)))
+                  if p != os.path.normpath(path) and (m is None or s < int(m.group(1)))]
+        older = next((p for p in reversed(before) if not damage(p)), None)  # hashes only until one checks out
         raise CheckpointError(f"checkpoint {path} is damaged: {why}. Resume from an intact one"
-                              + (f" (the newest: {older[-1]})" if older else " (there is none before it)"))
+                              + (f" (the newest: {older})" if older else " (there is none before it)"))
     return path
 
 

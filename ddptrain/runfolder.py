@@ -44,6 +44,8 @@ from ddptrain.checkpoint import (CheckpointError, check_writable, checkpoint_roo
                                  newest_intact, read_checksums, resolve)
 
 LOCK = ".lock"
+ARCHIVE = "archive"
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml")  # what tells that a run was here
 _HELD: set[int] = set()  # the descriptors of the locks this process holds
 
 
@@ -58,8 +60,6 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
-ARCHIVE = "archive"
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tensorboard", "config.yaml")  # what tells that a run was here
 
 
 class FolderLock:
