@@ -62,12 +62,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# torch's lazy form of torch.compiler.disable imports torch._dynamo at the first call, not with
+# ddptrain (~1-2 s of every process's start; tests/test_import_time.py)
+_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
 IN_FLIGHT = 2  # buckets whose reduce may still run when the next one starts (more: more staging memory)
 
 
 class _Bucket:
-    """Tensors of one owner and dtype, in backward order; the flat buffer exists only from the
-    first gradient that arrives until the bucket is retired."""
+    """Tensors of one owner and dtype, in backward order. Their gradients wait as autograd made
+    them (``pieces``) until the last one arrives; the flat buffer exists from then until the
+    bucket is retired."""
 
     def __init__(self, owner: int, indices: list[int], params: Sequence[nn.Parameter]):
         self.owner, self.indices = owner, indices
@@ -77,6 +82,7 @@ class _Bucket:
             self.offsets[i] = self.numel
             self.numel += params[i].numel()
         self.pending = len(indices)
+        self.pieces: list[tuple[int, torch.Tensor]] = []
         self.buffer: Optional[torch.Tensor] = None
         self.work = None
 
@@ -166,7 +172,7 @@ class ShardedGradReducer(nn.Module):
         self._pre_forward()
         return self.module(*args, **kwargs)
 
-    @torch.compiler.disable  # a whole-model torch.compile traces only the module's own forward
+    @_disable_dynamo  # a whole-model torch.compile traces only the module's own forward
     def _pre_forward(self) -> None:
         if torch.is_grad_enabled():
             self._arm()
@@ -192,11 +198,9 @@ class ShardedGradReducer(nn.Module):
         self._armed, self._queued, self._next = True, False, 0
         self._got = [False] * len(self.params)
         for b in self.buckets:
-            b.pending, b.buffer, b.work = len(b.indices), None, None
+            b.pending, b.pieces, b.buffer, b.work = len(b.indices), [], None, None
 
     def _hook(self, i: int):
-        scale = 1.0 / self.world_size
-
         @torch.no_grad()
         def hook(p: torch.Tensor) -> None:
             if not self._armed:  # a backward this wrapper's forward did not start: plain local gradients
@@ -210,16 +214,30 @@ class ShardedGradReducer(nn.Module):
             if not self._rebuilt:
                 self._arrivals.append(i)
             b = self._bucket_of[i]
-            if b.buffer is None:
-                b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
-                self._stage(b.numel)
-            view = b.buffer[b.offsets[i]:b.offsets[i] + p.numel()].view(p.shape)
-            torch.mul(p.grad, scale, out=view)  # DDP's average (Reducer: mul_out by 1/world_size)
-            p.grad = None  # copied into the bucket: freed now, not at the end of the backward
+            b.pieces.append((i, p.grad))  # not copied yet: a bucket still filling holds only what arrived
+            self._stage(p.numel())
+            p.grad = None  # the bucket holds it now: freed once sent, not at the end of the backward
             b.pending -= 1
+            if b.pending == 0:
+                self._pack(b)
             self._start_ready()
 
         return hook
+
+    def _pack(self, b: _Bucket) -> None:
+        """The complete bucket's gradients times ``1/N`` (DDP's average, with DDP's multiply:
+        the Reducer's mul_out by 1/world_size) in one flat buffer; a bucket of one tensor is
+        scaled and sent in place, with no copy."""
+        scale = 1.0 / self.world_size
+        if len(b.pieces) == 1 and b.pieces[0][1].is_contiguous():
+            b.buffer = b.pieces[0][1].mul_(scale).view(-1)
+        else:
+            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+            self._stage(b.numel)  # the copy and its pieces, for a moment
+            for i, grad in b.pieces:
+                torch.mul(grad, scale, out=b.buffer[b.offsets[i]:b.offsets[i] + grad.numel()].view(grad.shape))
+            self._stage(-b.numel)
+        b.pieces = []
 
     def _start_ready(self) -> None:
         """Start every complete bucket whose predecessors have all started (the same order on
