@@ -2,6 +2,7 @@
 
     python bench/check_activation_offload.py                  # 16 blocks, d=2048, batch 4 x 4096 frames
     python bench/check_activation_offload.py --layers 24 --batch 8 --seq 3000 --steps 6
+    python bench/check_activation_offload.py --device cpu --layers 2 --d 64 --heads 2 --seq 32   # the script itself
 
 The same training steps (AdamW, dropout on, bf16 autocast over fp32 weights, a fixed seed per
 step) run five ways on one GPU, one row each: plain, plain again (is this GPU's plain run bitwise
@@ -66,33 +67,53 @@ class Model(nn.Module):
         return self.out(x)
 
 
+class _NoMemory:
+    """torch.cuda's memory counters on a CPU run (the script's own smoke test): all zero."""
+
+    def synchronize(self):
+        pass
+
+    def reset_peak_memory_stats(self):
+        pass
+
+    def memory_allocated(self):
+        return 0
+
+    def max_memory_allocated(self):
+        return 0
+
+    def empty_cache(self):
+        pass
+
+
 def run(name: str, base: nn.Module, args, batches: list, recompute: bool, offload: bool) -> dict:
+    cuda = torch.cuda if args.device == "cuda" else _NoMemory()
     model = copy.deepcopy(base).train()
     cfg = SimpleNamespace(enabled=recompute, module_classes=["Block"], name_globs=[], every_k=1,
                           offload="cpu" if offload else "none")
     if recompute:
         apply_recompute(model, cfg)
-    off = apply_offload(model, cfg, torch.device("cuda"), min_bytes=args.min_kb * 1024) if offload else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    off = apply_offload(model, cfg, torch.device(args.device), min_bytes=args.min_kb * 1024) if offload else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     losses, times, peaks, acts, moved = [], [], [], [], []
     for step, (x, y) in enumerate(batches):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        cuda.synchronize()
+        cuda.reset_peak_memory_stats()
+        before = cuda.memory_allocated()
         bytes_in = off.pool.bytes_in if off else 0
         start = time.perf_counter()
         torch.manual_seed(1000 + step)  # the same dropout masks for every variant
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             logits = model(x)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.detach())
-        peaks.append(torch.cuda.max_memory_allocated())
-        acts.append(torch.cuda.max_memory_allocated() - before)
+        peaks.append(cuda.max_memory_allocated())
+        acts.append(cuda.max_memory_allocated() - before)
         if off:
             moved.append(off.pool.bytes_in - bytes_in)
             assert off.pool.live_bytes == 0, f"{name}: step {step} left host blocks in use"
@@ -102,7 +123,7 @@ def run(name: str, base: nn.Module, args, batches: list, recompute: bool, offloa
     if off:
         off.remove()
     del model, opt, off
-    torch.cuda.empty_cache()
+    cuda.empty_cache()
     return row
 
 
@@ -117,17 +138,19 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--min-kb", type=int, default=64, help="smaller saved tensors stay on the GPU")
     ap.add_argument("--skip", default="", help="comma-separated variants to leave out (e.g. offload)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script")
     args = ap.parse_args()
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    assert args.device == "cpu" or torch.cuda.is_available(), "needs a CUDA GPU"
     torch.backends.cuda.matmul.allow_tf32 = False
     feat, vocab = 128, 512
     torch.manual_seed(0)
-    base = Model(feat, args.d, args.layers, args.heads, vocab, args.dropout).cuda()
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    batches = [(torch.randn(args.batch, args.seq, feat, device="cuda", generator=gen),
-                torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=gen))
+    base = Model(feat, args.d, args.layers, args.heads, vocab, args.dropout).to(args.device)
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    batches = [(torch.randn(args.batch, args.seq, feat, device=args.device, generator=gen),
+                torch.randint(0, vocab, (args.batch, args.seq), device=args.device, generator=gen))
                for _ in range(args.steps)]
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.layers} blocks d={args.d} "
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (no memory figures)"
+    print(f"{device}  torch {torch.__version__}  {args.layers} blocks d={args.d} "
           f"batch {args.batch} x {args.seq}  {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M params")
     variants = [("plain", False, False, None), ("plain_again", False, False, "plain"),
                 ("offload", False, True, "plain"), ("recompute", True, False, "plain"),
@@ -162,7 +185,7 @@ def main() -> None:
         saved = rows["recompute"]["peak"] - rows["recompute_offload"]["peak"]
         moved = rows["recompute_offload"]["moved"]
         print(f"recompute_offload: peak {saved / GIB:.2f} GiB below recompute; {moved / GIB:.2f} GiB of inputs moved")
-        if saved < 0.5 * moved:
+        if saved < 0.5 * moved and args.device == "cuda":
             failures.append(f"recompute_offload saves {saved / GIB:.2f} GiB of peak, less than half of the "
                             f"{moved / GIB:.2f} GiB it moved")
     print("OK" if not failures else "FAILED:\n  " + "\n  ".join(failures))

@@ -388,11 +388,11 @@ class ActivationOffload:
 
     # -- unpack
 
-    def _load(self, region: _Region) -> None:
-        """Queue the copies back of every saved tensor of ``region`` not on the device yet."""
+    def _load(self, region: _Region) -> bool:
+        """Queue the copies back of every saved tensor of ``region`` not on the device yet (any?)."""
         todo = [s for s in (ref() for ref in region.saves) if s is not None and s.device is None]
         if not todo:
-            return
+            return False
         pairs = []
         for s in todo:
             s.device = s.copy.empty(self.device)  # on the compute stream: see _CudaCopies.to_device
@@ -401,6 +401,7 @@ class ActivationOffload:
         event, stream = self.copies.to_device(pairs), self.copies.consumer()
         for s in todo:
             s.event, s.stream = event, stream
+        return True
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):  # kept on the device by _pack
@@ -416,9 +417,8 @@ class ActivationOffload:
         if not region.prefetched:  # region k-1's copies overlap region k's backward
             region.prefetched = True
             prev = region.prev() if region.prev is not None else None
-            if prev is not None:
+            if prev is not None and self._load(prev):
                 self.stats["prefetched"] += 1
-                self._load(prev)
         self.copies.wait(saved.event)
         out = copy.restore(saved.device)
         saved.pending -= 1
