@@ -83,7 +83,7 @@ class OptimConfig:
     zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step instead of one per parameter
     shard_grads: bool = False  # ZeRO-2: each rank keeps only its own partition's reduced gradients (2/N B/param instead of 2), replacing DDP; needs optim.zero and trainer.param_dtype=bf16; one rank: no change (ddptrain/sharded_grads.py)
     offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
-    offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB, so the copies overlap the host update
+    offload_chunk_mb: float = 64.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB (of bf16 gradients), so the copies overlap the host update; the GPU holds two fp32 windows of this size x 2
 
 
 @dataclass
@@ -481,6 +481,11 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
      lambda offload, recompute, on, classes, globs: offload == "none" or recompute or not on or bool(classes or globs),
      "recompute.offload=cpu without recompute.enabled needs a regional compile (compile.module_classes or "
      "compile.name_globs) or none: a whole-model torch.compile does not run the saved-tensor hooks that offload"),
+    (("recompute.offload", "recompute.enabled", "lora.base_offload"),
+     lambda offload, recompute, base: offload == "none" or recompute or base == "none",
+     "recompute.offload=cpu without recompute.enabled cannot run with lora.base_offload=cpu: its saved-tensor hooks "
+     "would take the streamed weights' saves from the streaming (wrong weights in the backward); set "
+     "recompute.enabled=true (the blocks then keep only their inputs, and those go to host)"),
     (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
      "data.train_manifest and data.train_sources both name the training data: set one of them"),
     (("data.eval_manifest", "data.eval_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
