@@ -481,11 +481,6 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
      lambda offload, recompute, on, classes, globs: offload == "none" or recompute or not on or bool(classes or globs),
      "recompute.offload=cpu without recompute.enabled needs a regional compile (compile.module_classes or "
      "compile.name_globs) or none: a whole-model torch.compile does not run the saved-tensor hooks that offload"),
-    (("recompute.offload", "recompute.enabled", "lora.base_offload"),
-     lambda offload, recompute, base: offload == "none" or recompute or base == "none",
-     "recompute.offload=cpu without recompute.enabled cannot run with lora.base_offload=cpu: its saved-tensor hooks "
-     "would take the streamed weights' saves from the streaming (wrong weights in the backward); set "
-     "recompute.enabled=true (the blocks then keep only their inputs, and those go to host)"),
     (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
      "data.train_manifest and data.train_sources both name the training data: set one of them"),
     (("data.eval_manifest", "data.eval_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
