@@ -315,6 +315,8 @@ def test_steps_reuse_the_host_memory():
     (["recompute.offload=cpu", "recompute.module_classes=[Block]", "compile.enabled=true"],
      "needs a regional compile"),
     (["recompute.offload=disk", "recompute.module_classes=[Block]"], "recompute.offload='disk' is not one of"),
+    (["recompute.offload=cpu", "recompute.module_classes=[Block]", "lora.enabled=true", "lora.targets=[x]",
+      "lora.base_offload=cpu"], "with recompute.offload=cpu needs recompute.enabled=true"),  # streamed_base's rule
 ])
 def test_config_refuses(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -412,3 +414,16 @@ def test_trainer_end_to_end(tmp_path, monkeypatch, mode):
     assert len(runs["cpu"][0]) == 3 and runs["cpu"][0] == runs["none"][0]
     for k, v in runs["none"][1].items():
         assert torch.equal(v, runs["cpu"][1][k]), k
+
+
+def test_recompute_offload_composes_with_the_streamed_base(tmp_path, monkeypatch):
+    """lora.base_offload's saved-tensor hooks are entered first (outside ours): with recompute the
+    blocks' kept inputs reach ours and go to host, the weights still stream, all bitwise."""
+    from test_streamed_base import OFFLOAD as BASE_OFFLOAD, RECOMPUTE, train
+
+    monkeypatch.setattr(activation_offload, "MIN_BYTES", 0)
+    want, want_state, _, _ = train(tmp_path / "streamed", *RECOMPUTE, *BASE_OFFLOAD, steps=4)
+    got, state, trainer, seen = train(tmp_path / "both", *RECOMPUTE, *BASE_OFFLOAD, "recompute.offload=cpu", steps=4)
+    assert torch.equal(torch.stack(got.train), torch.stack(want.train))
+    assert all(torch.equal(v, state[k]) for k, v in want_state.items())
+    assert trainer.activation_offload.stats["offloaded"] > 0 and seen  # inputs to host, weights from the ring
