@@ -416,6 +416,7 @@ def test_trainer_end_to_end(tmp_path, monkeypatch, mode):
         assert torch.equal(v, runs["cpu"][1][k]), k
 
 
+@pytest.mark.filterwarnings("ignore:recompute.offload=cpu on a CPU device")
 def test_recompute_offload_composes_with_the_streamed_base(tmp_path, monkeypatch):
     """lora.base_offload's saved-tensor hooks are entered first (outside ours): with recompute the
     blocks' kept inputs reach ours and go to host, the weights still stream, all bitwise."""
