@@ -37,6 +37,13 @@ exist anyway, and moving them every step only costs bandwidth), tensors under ``
 is not a plain strided tensor (sparse, quantized, conjugate views, subclasses). Offloading moves
 values, never RNG or autocast state, so recompute's replay (DESIGN.md) is untouched.
 
+With compile: a regionally compiled block runs its compiled forward inside the region (the hooks
+are entered around it, eagerly). A whole-model ``torch.compile`` does not run saved-tensor hooks
+entered inside the compiled code, so without recompute that set-up is refused (config.py); with
+recompute the checkpointed blocks run eagerly anyway. With ``lora.base_offload`` the streamed
+base's hooks are entered first (outside ours): with recompute the blocks' kept inputs reach ours;
+without recompute ours would take the streamed weights' saves, which streamed_base.py refuses.
+
 A saved tensor is a snapshot: an in-place change to it after the forward, which plain autograd
 reports at the backward, is reported here too while the tensor is still alive (its version
 moved); once it is freed nobody can change it.
