@@ -83,7 +83,7 @@ class OptimConfig:
     zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step instead of one per parameter
     shard_grads: bool = False  # ZeRO-2: each rank keeps only its own partition's reduced gradients (2/N B/param instead of 2), replacing DDP; needs optim.zero and trainer.param_dtype=bf16; one rank: no change (ddptrain/sharded_grads.py)
     offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
-    offload_chunk_mb: float = 64.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB (of bf16 gradients), so the copies overlap the host update; the GPU holds two fp32 windows of this size x 2
+    offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB (of bf16 gradients), so the copies overlap the host update
 
 
 @dataclass

@@ -9,20 +9,15 @@ ddptrain/sharded_masters.py), so the host of a node holds each master once.
 How a step goes, once the StepUpdate has all-reduced the step's verdict (finite? the
 normalisation-and-clipping factor?) and read it on the host:
 
-1. On a side stream the owned bf16 gradients are widened to fp32 on the GPU, a window of
-   ``optim.offload_chunk_mb`` at a time through one bounded device buffer, and each window is
-   copied into a pinned fp32 gradient buffer; every window is queued at once.
-2. For each chunk of whole tensors, as soon as its windows have landed: the host runs the
-   optimizer's own step (torch's fused CPU AdamW, multi-threaded) over that chunk's masters with
-   the factor as its ``grad_scale``, then queues the updated fp32 masters back to the GPU on a
-   second side stream, where they are rounded into the bf16 weights. So chunk ``i``'s host update
-   runs while chunk ``i+1``'s gradients arrive and chunk ``i-1``'s weights leave.
+1. The owned bf16 gradients are copied to a pinned bf16 staging buffer on a side stream, chunk
+   by chunk (``optim.offload_chunk_mb``), all queued at once.
+2. For each chunk, as soon as its copy has landed: the host widens the gradients to fp32, runs
+   the optimizer's own step (torch's fused CPU AdamW, multi-threaded) over that chunk's masters
+   with the factor as its ``grad_scale``, rounds the updated masters into the staging buffer and
+   queues their copy back to the GPU on a second side stream. So chunk ``i``'s host update runs
+   while chunk ``i+1``'s gradients arrive and chunk ``i-1``'s weights leave.
 3. The compute stream waits for the last upload; on several ranks each owner's flat buffer is
    then broadcast as with sharded masters.
-
-Why the widening and rounding happen on the GPU: the host's update is bound by memory
-bandwidth, and converting there would add half again to its traffic; the GPU does it for free,
-and twice the bytes over PCIe are hidden under the host update.
 
 Why after the backward and not during it: the update needs the global gradient norm (clipping)
 and the all-ranks finite check, which exist only once every gradient does; an update started
@@ -33,9 +28,8 @@ its state is then plain AdamW state, so checkpoints have the format of the on-GP
 may resume with offload on or off. On one rank the weights file holds the fp32 masters (as
 MasterWeights'); on several, the bf16 weights plus each rank's ShardedMasterState.
 
-Host memory per owned parameter: 4 (master) + 8 (AdamW moments) + 4 (fp32 gradient); the GPU
-adds two fp32 windows of ``optim.offload_chunk_mb`` / 2 elements each. On a CPU run (the tests)
-the same code runs without streams or windows.
+Host memory per owned parameter: 4 (master) + 8 (AdamW moments) + 2 (bf16 staging), plus one
+chunk of fp32 gradient scratch. On a CPU run (the tests) the same code runs without streams.
 """
 
 from __future__ import annotations
@@ -53,8 +47,8 @@ from ddptrain.sharded_masters import partition
 
 
 def host_bytes_per_param() -> int:
-    """Host bytes per owned trainable parameter: master, two AdamW moments, fp32 gradient."""
-    return 4 + 8 + 4
+    """Host bytes per owned trainable parameter: master, two AdamW moments, bf16 staging."""
+    return 4 + 8 + 2
 
 
 class _Chunk:
@@ -69,8 +63,8 @@ class _Chunk:
 
 class _Bucket:
     """One owner's trainable tensors of one dtype: a flat device buffer the parameters are views
-    of (one broadcast per owner), and, for this rank's own buckets, the pinned fp32 masters and
-    gradients in the same layout."""
+    of (one broadcast, one upload per chunk), and, for this rank's own buckets, the pinned host
+    masters and staging buffer in the same layout."""
 
     def __init__(self, owner: int, params: list, dtype: torch.dtype, own: bool, pin: bool, chunk_elems: int):
         self.owner, self.dtype = owner, dtype
@@ -79,10 +73,9 @@ class _Bucket:
         self.flat = torch.empty(total, dtype=dtype, device=device)
         self.chunks: list[_Chunk] = []
         self.masters: list[nn.Parameter] = []
-        self.offsets: list[tuple[nn.Parameter, int]] = []  # (parameter, its first element in the flat layout)
         if own:
             self.master_flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
-            self.grad_flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+            self.staging = torch.empty(total, dtype=dtype, pin_memory=pin)
         offset, start, run, run_masters = 0, 0, [], []
         with torch.no_grad():
             for p in params:
@@ -96,7 +89,6 @@ class _Bucket:
                 flat_view = self.flat[offset:offset + n].view(p.shape)
                 flat_view.copy_(p.detach())
                 p.data = flat_view  # the old storage is freed here
-                self.offsets.append((p, offset))
                 run.append(p)
                 offset += n
                 if own and offset - start >= chunk_elems:
@@ -127,7 +119,7 @@ class OffloadedMasters:
 
     offloaded = True
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, chunk_mb: float = 64.0):
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, chunk_mb: float = 256.0):
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         self.sharded = distributed  # checkpoints: ShardedMasterState per rank, bf16 weights file
@@ -149,7 +141,7 @@ class OffloadedMasters:
                     setattr(m, name, b.to(dtype))
         chunk_elems = max(1, int(chunk_mb * 2**20 / 2))
         owned = [p.numel() for p, o in zip(self.trainable, owners) if o == self.rank]
-        _check_host_memory(sum(owned) * host_bytes_per_param(), self.device)
+        _check_host_memory(sum(owned) * host_bytes_per_param() + min(max(owned), chunk_elems) * 4, self.device)
         self.buckets: list[_Bucket] = []
         for r in range(self.world_size):
             for kept in (False, True):
@@ -165,18 +157,17 @@ class OffloadedMasters:
                 for p, m in zip(c.params, c.masters):
                     self.to_master[p] = m
                     self.global_index[id(m)] = index[id(p)]
-        # the bounded fp32 windows on the device through which the transfers are widened / rounded
-        # (on a CPU run too, so the tests walk the same windows)
-        self.window = min(chunk_elems, max((b.master_flat.numel() for b in self.own), default=1))
-        self._down_buf = torch.empty(self.window, dtype=torch.float32, device=self.device)
-        self._up_buf = torch.empty(self.window, dtype=torch.float32, device=self.device)
-        self._down = torch.cuda.Stream(self.device) if self.cuda else None
-        self._up = torch.cuda.Stream(self.device) if self.cuda else None
+        largest = max((c.end - c.start for b in self.own for c in b.chunks), default=0)
+        self._scratch = torch.empty(largest, dtype=torch.float32, pin_memory=False)  # fp32 gradients of one chunk
+        if self.cuda:
+            self._down = torch.cuda.Stream(self.device)
+            self._up = torch.cuda.Stream(self.device)
         self.restored = False  # set when a checkpoint's masters were loaded (ShardedMasterState)
 
     def host_bytes(self) -> int:
-        """Host memory this rank holds for the offload (masters, moments, gradients)."""
-        return sum(b.master_flat.numel() for b in self.own) * host_bytes_per_param()
+        """Host memory this rank holds for the offload (masters, moments, staging, scratch)."""
+        owned = sum(b.master_flat.numel() for b in self.own)
+        return owned * host_bytes_per_param() + self._scratch.numel() * 4
 
     # ------------------------------------------------------------------ the step
 
@@ -187,70 +178,56 @@ class OffloadedMasters:
 
         Called only for a finite step: a skipped one never reaches the host.
         """
+        chunks = [(b, c) for b in self.own for c in b.chunks]
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
             self._down.wait_stream(compute)  # the gradients are complete (and all-reduced)
-        landed = {id(b): self._download(b) for b in self.own}  # all queued: they run while the host works
+            self._down.wait_stream(self._up)  # the staging buffer's last upload has left
+        for b, c in chunks:  # every download queued at once: they run while the host works
+            with torch.cuda.stream(self._down) if self.cuda else contextlib.nullcontext():
+                offset = c.start
+                for p in c.params:
+                    view = b.staging[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad, non_blocking=self.cuda)
+                if self.cuda:
+                    c.landed = torch.cuda.Event()
+                    c.landed.record(self._down)
         grad_scale = torch.full((), 1.0 / factor, dtype=torch.float32)
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
         member = [set(map(id, ps)) for ps in saved]
         try:
-            for b in self.own:
-                uploaded = 0
-                for c in b.chunks:
-                    if self.cuda:
-                        next(e for end, e in landed[id(b)] if end >= c.end).synchronize()
-                    offset = c.start
-                    for m in c.masters:
-                        m.grad = b.grad_flat[offset:offset + m.numel()].view(m.shape)
-                        offset += m.numel()
-                    for g, ids in zip(groups, member):
-                        g["params"] = [m for m in c.masters if id(m) in ids]
-                    _step(optimizer, grad_scale)
-                    for m in c.masters:
-                        m.grad = None
-                    uploaded = self._upload(b, uploaded, c.end)
+            for b, c in chunks:
+                if self.cuda:
+                    c.landed.synchronize()
+                n = c.end - c.start
+                scratch = self._scratch[:n]
+                scratch.copy_(b.staging[c.start:c.end])  # widened to fp32 (multi-threaded copy)
+                offset = 0
+                for m in c.masters:
+                    m.grad = scratch[offset:offset + m.numel()].view(m.shape)
+                    offset += m.numel()
+                for g, ids in zip(groups, member):
+                    g["params"] = [m for m in c.masters if id(m) in ids]
+                _step(optimizer, grad_scale)
+                for m in c.masters:
+                    m.grad = None
+                b.staging[c.start:c.end].copy_(b.master_flat[c.start:c.end])  # rounded to the model dtype
+                if self.cuda:
+                    with torch.cuda.stream(self._up):
+                        b.flat[c.start:c.end].copy_(b.staging[c.start:c.end], non_blocking=True)
+                else:
+                    b.flat[c.start:c.end].copy_(b.staging[c.start:c.end])
         finally:
             for g, ps in zip(groups, saved):
                 g["params"] = ps
         if self.cuda:
             compute.wait_stream(self._up)  # the next forward reads the new weights
         self._broadcast()
-
-    def _download(self, b: _Bucket) -> list:
-        """Queue the fp32 gradients of bucket ``b`` into its pinned buffer; the CUDA events that
-        mark each window landed, as ``(end element, event)``."""
-        events, total, first = [], b.master_flat.numel(), 0
-        with _on(self._down):
-            for start in range(0, total, self.window):
-                end = min(start + self.window, total)
-                buf = self._down_buf[:end - start]
-                while b.offsets[first][1] + b.offsets[first][0].numel() <= start:
-                    first += 1
-                for p, off in b.offsets[first:]:
-                    if off >= end:
-                        break
-                    lo, hi = max(start, off), min(end, off + p.numel())
-                    dst = buf[lo - start:hi - start]
-                    dst.zero_() if p.grad is None else dst.copy_(p.grad.reshape(-1)[lo - off:hi - off])  # widened here
-                b.grad_flat[start:end].copy_(buf, non_blocking=self.cuda)
-                if self.cuda:
-                    event = torch.cuda.Event()
-                    event.record(self._down)
-                    events.append((end, event))
-        return events
-
-    def _upload(self, b: _Bucket, start: int, end: int) -> int:
-        """Queue the updated masters ``[start, end)`` of bucket ``b`` into the model, rounded to its
-        dtype (on the GPU: through the window buffer on the upload stream). Returns ``end``."""
-        with _on(self._up):
-            for lo in range(start, end, self.window):
-                hi = min(lo + self.window, end)
-                buf = self._up_buf[:hi - lo]
-                buf.copy_(b.master_flat[lo:hi], non_blocking=self.cuda)
-                b.flat[lo:hi].copy_(buf)  # rounded here
-        return end
 
     def _broadcast(self) -> None:
         if self.world_size > 1:
@@ -262,9 +239,10 @@ class OffloadedMasters:
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        """Round every owned master into the model, then broadcast the partitions."""
+        """Round every owned master into the model (all chunks), then broadcast the partitions."""
         for b in self.own:
-            b.flat.copy_(b.master_flat)
+            b.staging.copy_(b.master_flat)
+            b.flat.copy_(b.staging, non_blocking=False)
         self._broadcast()
 
     def load_grads(self, factor, owned=None) -> None:  # pragma: no cover - the step reads the grads itself
@@ -297,11 +275,6 @@ class OffloadedMasters:
                 if v.data_ptr() in masters and v.numel() and k in saved:
                     masters[v.data_ptr()].copy_(saved[k])
         self.copy_to_model()
-
-
-def _on(stream):
-    """The context that runs copies on a side CUDA stream (nothing on a CPU run)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
