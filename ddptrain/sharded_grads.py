@@ -10,13 +10,13 @@ partition. Here each gradient is sent to its owner and freed: model state become
 
 How a backward goes:
 
-1. The trainable tensors are packed, in backward order, into flat buckets of at most
-   ``dist.bucket_cap_mb``; every bucket holds the tensors of one owner (and one dtype). The order
-   is first the reverse of ``model.parameters()``, then the order rank 0's first backward produced
-   its gradients in (DDP rebuilds its buckets the same way).
-2. A post-accumulate-grad hook copies each gradient, times ``1/N``, into its bucket (DDP's
-   average, with DDP's own multiply) and drops ``p.grad``: the full local gradient of a tensor
-   lives only from the moment autograd makes it until the hook has copied it.
+1. The trainable tensors are grouped, in backward order, into buckets of at most
+   ``dist.bucket_cap_mb``, each of one owner (and one dtype); a tensor of at least that size has
+   a bucket of its own. The order is first the reverse of ``model.parameters()``, then the order
+   rank 0's first backward produced its gradients in (DDP rebuilds its buckets the same way).
+2. A post-accumulate-grad hook takes each gradient out of ``p.grad`` into its bucket. When the
+   bucket's last one arrives, they are multiplied by ``1/N`` (DDP's average, with DDP's own
+   multiply) into one flat buffer, or, for a bucket of one tensor, in place with no copy.
 3. When a bucket is complete, and every bucket before it has been sent, ``dist.reduce(bucket,
    dst=owner)`` starts, overlapped with the rest of the backward. Buckets start in one fixed order
    on every rank, so the collectives match whatever order this rank's gradients came in.
@@ -38,12 +38,14 @@ every forward whose predecessor ran with grad enabled outside ``no_sync``, as DD
 accumulation: once per step, at its first micro-batch). That keeps BatchNorm running statistics
 DDP's bit for bit.
 
-Memory per rank, beyond the owned gradients (``2/N`` B per parameter): the buckets being filled
-(at most one per owner and dtype, when the gradients come in rank 0's order), the ones in
-flight (``IN_FLIGHT``), and one tensor's local gradient. That staging is at most
-``N * dtypes + IN_FLIGHT`` buckets of ``dist.bucket_cap_mb`` (or of one larger tensor) and does
-not grow with the model (``peak_staged`` counts it). After the optimizer step nothing is kept:
-at rest a rank holds no gradient memory at all, where DDP keeps its 2 B/param buckets.
+Memory per rank, beyond the owned gradients (``2/N`` B per parameter): the gradients that have
+arrived for buckets not yet complete (at most one such bucket per owner and dtype when the
+gradients come in rank 0's order, each under ``dist.bucket_cap_mb``), the buckets in flight
+(``IN_FLIGHT``, and the one being started), and a bucket's pieces while they are copied into its
+flat buffer. That staging does not grow with the model (``peak_staged`` counts it; a 2048-wide
+transformer stack, whose 32 MB weights are buckets of their own: three of them, at any N). After
+the optimizer step nothing is kept: at rest a rank holds no gradient memory at all, where DDP
+keeps its 2 B/param buckets.
 
 Not supported: ``dist.find_unused_parameters`` (refused by the config: every trainable parameter
 must get a gradient in every backward, and a missing one is an error naming it),
@@ -89,19 +91,29 @@ class _Bucket:
 
 def plan_buckets(order: Sequence[int], params: Sequence[nn.Parameter], owners: Sequence[int],
                  cap_bytes: int) -> list[_Bucket]:
-    """Buckets of at most ``cap_bytes`` (or one larger tensor), each of one owner and dtype, in
-    the order they complete if the gradients arrive in ``order``."""
-    open_: dict[tuple, list[int]] = {}
-    done: list[tuple[int, list[int]]] = []  # (position of its last tensor in `order`, indices)
-    for pos, i in enumerate(order):
-        key = (owners[i], params[i].dtype)
-        group = open_.setdefault(key, [])
-        group.append(i)
-        if sum(params[j].numel() * params[j].element_size() for j in group) >= cap_bytes:
-            done.append((pos, open_.pop(key)))
+    """Buckets of at most ``cap_bytes``, or of one larger tensor (then sent in place, with no
+    copy), each of one owner and dtype, in the order they complete if the gradients arrive in
+    ``order``."""
     position = {i: pos for pos, i in enumerate(order)}
-    done += [(position[group[-1]], group) for group in open_.values()]
-    return [_Bucket(owners[group[0]], group, params) for _, group in sorted(done, key=lambda d: d[0])]
+    open_: dict[tuple, tuple[list[int], int]] = {}  # (owner, dtype) -> (indices, bytes)
+    done: list[list[int]] = []
+    for i in order:
+        key, size = (owners[i], params[i].dtype), params[i].numel() * params[i].element_size()
+        if size >= cap_bytes:  # alone, and the smaller tensors around it go on filling their bucket
+            done.append([i])
+            continue
+        group, total = open_.pop(key, ([], 0))
+        if group and total + size > cap_bytes:
+            done.append(group)
+            group, total = [], 0
+        group.append(i)
+        total += size
+        if total >= cap_bytes:
+            done.append(group)
+        else:
+            open_[key] = (group, total)
+    done += [group for group, _ in open_.values()]
+    return [_Bucket(owners[g[0]], g, params) for g in sorted(done, key=lambda g: position[g[-1]])]
 
 
 class ShardedGradReducer(nn.Module):

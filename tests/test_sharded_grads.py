@@ -19,7 +19,7 @@ from torch import nn
 import ddptrain
 from ddptrain import checkpoint as ckpt
 from ddptrain.config import ConfigError
-from ddptrain.sharded_grads import IN_FLIGHT, ShardedGradReducer
+from ddptrain.sharded_grads import IN_FLIGHT, ShardedGradReducer, plan_buckets
 
 from _dist import run_ranks
 from test_trainer import FEAT, make_batch, make_cfg, params_of
@@ -265,6 +265,23 @@ def test_a_gradient_non_finite_on_one_rank_skips_the_step_on_all_ranks(tmp_path)
             assert all(torch.equal(a, b) for a, b in zip(first["masters"], bad["masters"]))
             assert all(torch.equal(a, b) for a, b in zip(first["state"], bad["state"]))
         assert got["unused"] is not None and "spare.weight" in got["unused"] and "requires_grad=False" in got["unused"]
+
+
+def test_buckets_hold_one_owner_and_dtype_under_the_cap_in_completion_order():
+    sizes = [10, 600, 10, 10, 2000, 10, 300, 300, 300, 40]
+    params = [nn.Parameter(torch.zeros(n, dtype=torch.float32 if i == 9 else torch.bfloat16))
+              for i, n in enumerate(sizes)]
+    owners = [0, 0, 0, 1, 0, 1, 1, 1, 1, 1]
+    order = list(range(len(params)))[::-1]
+    buckets = plan_buckets(order, params, owners, cap_bytes=1000)
+    assert sorted(i for b in buckets for i in b.indices) == list(range(len(params)))  # each tensor once
+    for b in buckets:
+        assert {owners[i] for i in b.indices} == {b.owner} and len({params[i].dtype for i in b.indices}) == 1
+        assert len(b.indices) == 1 or sum(params[i].numel() * params[i].element_size() for i in b.indices) <= 1000
+    assert [b.indices for b in buckets if len(b.indices) == 1 and sizes[b.indices[0]] == 2000] == [[4]]  # alone
+    last = [max(order.index(i) for i in b.indices) for b in buckets]
+    assert last == sorted(last)  # started in the order the gradients complete them
+    assert [b.indices for b in buckets] == [[9], [8], [7], [4], [6, 5, 3], [1], [2, 0]]
 
 
 @pytest.mark.parametrize("extra, key", [
