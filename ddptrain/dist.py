@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ddptrain.config import ConfigError
+
 if TYPE_CHECKING:
     from ddptrain.config import DistConfig
 
@@ -126,8 +128,6 @@ def gpu_memory_fraction(gib: float, total_memory: int) -> float:
         ConfigError: a cap larger than the GPU (it would cap nothing and pretend to emulate a
             card that this GPU cannot be).
     """
-    from ddptrain.config import ConfigError
-
     if gib * 2**30 > total_memory:
         most = int(total_memory / 2**30 * 100) / 100  # rounded down: the largest cap that is accepted
         raise ConfigError(f"trainer.gpu_memory_gb={gib:g} is more than this GPU's {total_memory / 2**30:.2f} GiB "

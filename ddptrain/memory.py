@@ -87,6 +87,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ddptrain.contract import to_device
+from ddptrain.precision import KEEP_FP32
+
 _ADAM = ("adam", "adamw")
 GiB = 2**30
 
@@ -240,7 +243,6 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
 
     if isinstance(model_or_num_params, nn.Module):
         from ddptrain.optim import param_groups
-        from ddptrain.precision import KEEP_FP32
 
         model = model_or_num_params
         params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
@@ -514,8 +516,6 @@ def measure_activations(model: nn.Module, loss_fn: Callable, batch: Any,
         ``{"activations", "peak", "at_rest"}`` in bytes, or None on a CPU model (with a warning:
         there is no allocator to measure).
     """
-    from ddptrain.contract import to_device
-
     device = next(model.parameters()).device
     if device.type != "cuda":
         warnings.warn(f"measure_activations: the model is on {device}; the activation term can only be measured "

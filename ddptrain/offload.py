@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddptrain.config import ConfigError
+from ddptrain.memory import check_host_memory
 from ddptrain.precision import KEEP_FP32
 from ddptrain.sharded_masters import partition
 
@@ -297,9 +299,6 @@ def _step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
 def _check_host_memory(need: int, device: torch.device) -> None:
     """Refuse now, on every rank, when this node's ranks would not fit their shares in host
     memory: each rank checks before any allocates, and the verdict is agreed collectively."""
-    from ddptrain.config import ConfigError
-    from ddptrain.memory import check_host_memory
-
     error = None
     try:
         check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -321,8 +320,6 @@ def prepare(model: nn.Module, chunk_mb: float, device: torch.device) -> Offloade
     Raises:
         ConfigError: no pinned memory, or too little host memory: before anything is allocated.
     """
-    from ddptrain.config import ConfigError
-
     if device.type == "cuda":
         try:
             torch.empty(1, pin_memory=True)
