@@ -158,3 +158,18 @@ def test_offload_refuses_a_host_without_the_memory_before_allocating(tmp_path, m
     cfg = make_cfg(tmp_path / "run", "trainer.max_steps=1", *BF16, *SMALL_CHUNKS)
     with pytest.raises(ConfigError, match="optim.offload=cpu"):
         ddptrain.Trainer(FrameMLP(), frame_loss, cfg, _data_one_rank())
+
+
+@pytest.mark.timeout(240)
+def test_offload_composes_with_sharded_gradients_bitwise(tmp_path):
+    """optim.shard_grads + optim.offload: each rank receives only its own partition's reduced
+    gradients and updates those masters on the host; bitwise the on-device sharded run."""
+    grads = ("optim.shard_grads=true",)
+    run_ranks(_worker, 2, str(tmp_path), "dev", grads)
+    run_ranks(_worker, 2, str(tmp_path), "off", (*grads, *SMALL_CHUNKS))
+    for r in range(2):
+        dev = torch.load(tmp_path / f"dev_rank{r}.pt", weights_only=False)
+        off = torch.load(tmp_path / f"off_rank{r}.pt", weights_only=False)
+        assert off["offloaded"] and off["losses"] == dev["losses"]
+        for k, v in dev["params"].items():
+            assert torch.equal(off["params"][k], v), f"rank {r}: {k}"
