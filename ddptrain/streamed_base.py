@@ -24,9 +24,10 @@ Why streaming and not a 4-bit (NF4) frozen base, the issue's other option:
   ``2 x 204e6 x T`` FLOPs (+ attention), its backward with recompute ~3x that. On a 24 GB card
   (RTX 4090/3090: PCIe 4.0 x16, ~25 GB/s, 16 ms a layer; ~100 TFLOP/s achieved) the forward of
   4k tokens takes ~18 ms and of 8k ~40 ms: the copies hide from ~4k tokens per micro-batch up. On
-  an H100/H200 (PCIe 5.0, ~50 GB/s, 8 ms a layer; ~600 TFLOP/s) a 4k forward takes ~3 ms and is
-  copy-bound, the backward roughly breaks even, 8k hides most of it: the big GPU, which does not
-  need streaming, pays for it. Short micro-batches are copy-bound everywhere; use long ones.
+  an H200 (PCIe 5.0, 55 GB/s from pinned memory, 7.5 ms a layer; ~600 TFLOP/s) a 4k forward
+  takes ~3 ms and is copy-bound: a 9B LoRA step of 4k tokens took 19% longer there, one of 8k
+  tokens no longer (bench/check_streamed_base.py). Short micro-batches are copy-bound
+  everywhere; use long ones.
 
 How (the ring): a forward pre-hook on block ``k`` makes ``k``'s weights resident (the compute
 stream waits for the event of their copy) and queues the copy of ``k+1 .. k+stream_ahead`` into
@@ -58,8 +59,9 @@ hold empty placeholders until installed, so the base never visits the GPU); LoRA
 master weights follow (the masters' cast sets the placeholders' dtype: the base is streamed in
 bf16 under ``trainer.param_dtype: bf16``); then :func:`stream_base` copies the base into its host
 buffers in that dtype, before DDP. Refused: ``compile`` (the blocks run eagerly here: their
-weights change storage at every call), recompute of a module that encloses a streamed block,
-and frozen parameters a block shares with anything outside it. On a CPU device (the tests) the
+weights change storage at every call), recompute of a module that encloses a streamed block
+(and a model's own gradient checkpointing: both re-run the blocks inside the backward), and
+frozen parameters a block shares with anything outside it. On a CPU device (the tests) the
 same code runs with plain copies: the "device" ring is other CPU memory.
 
 Config (``lora`` section): ``base_offload`` (none | cpu), ``stream_blocks`` (module-name globs of
@@ -78,7 +80,6 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from ddptrain.config import ConfigError
 
@@ -266,7 +267,8 @@ class _Registered:
     """Plain host memory page-locked with ``cudaHostRegister``, for as long as this object lives.
 
     Why not ``pin_memory=True``: PyTorch's caching host allocator rounds every buffer up to a
-    power of two, 512 MB for a 9B layer's 408 MB (a quarter more host memory for the base).
+    power of two, 512 MiB for a 9B layer's 389 MiB (a third more host memory for the base). The
+    copies from registered memory run at the pinned rate (55 GB/s on an H200, as pin_memory).
     """
 
     def __init__(self, nbytes: int):
@@ -282,6 +284,17 @@ class _Registered:
             torch.cuda.cudart().cudaHostUnregister(self.ptr)
         except Exception:  # interpreter shutdown: the process's memory goes anyway
             pass
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a block's output: a tensor, or tuples, lists and dicts (``ModelOutput``) of them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
 
 
 def _pages(n: int, page: int) -> int:
@@ -371,8 +384,8 @@ class StreamedBase:
 
     Attributes:
         stats: counters: ``copies`` / ``copied_bytes`` (host to ring), ``reused`` (a block
-            found in the ring: prefetched, or still there), ``on_demand`` (saved weights needed outside their
-            block's backward: copied whole, slow).
+            found in the ring: prefetched, or still there), ``on_demand`` (saved weights needed
+            outside their block's backward: copied whole, slow).
     """
 
     def __init__(self, blocks: list[tuple[str, nn.Module, list]], device: torch.device, ahead: int = 1,
@@ -513,8 +526,8 @@ class StreamedBase:
             self._deactivate(i)
         if output is not None and torch.is_grad_enabled():
             hook = functools.partial(self._backward_hook, i)
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            for t in _tensors(output):
+                if t.grad_fn is not None:
                     t.register_hook(hook)
 
     def _pack(self, t: torch.Tensor) -> Any:

@@ -359,7 +359,8 @@ def test_bench_check_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "rows.jsonl"
     assert bench.main(["--tiny", "--steps", "2", "--out", str(out), "--tmp", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted((r["base_offload"], r["seq"]) for r in rows) == [("cpu", 64), ("cpu", 128), ("none", 64), ("none", 128)]
+    assert sorted((r["base_offload"], r["seq"]) for r in rows) == [("cpu", 64), ("cpu", 128), ("none", 64),
+                                                                    ("none", 128)]
     for r in rows:
         assert {"workload", "peer", "world_size", "batch", "tokens_per_s", "peak_alloc_gb", "gpu_memory_gb"} <= set(r)
         assert "error" not in r and len(r["losses"]) == 3
