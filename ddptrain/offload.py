@@ -26,7 +26,8 @@ earlier would be stale or inexact. A non-finite step is skipped before anything 
 Why the optimizer's own step per chunk (its param groups narrowed to the chunk for the call):
 its state is then plain AdamW state, so checkpoints have the format of the on-GPU path and a run
 may resume with offload on or off. On one rank the weights file holds the fp32 masters (as
-MasterWeights'); on several, the bf16 weights plus each rank's ShardedMasterState.
+MasterWeights'); on several (with ``optim.zero: true``, which the Trainer asks for), the bf16
+weights plus each rank's ShardedMasterState, as the sharded masters save them.
 
 Host memory per owned parameter: 4 (master) + 8 (AdamW moments) + 2 (bf16 staging), plus one
 chunk of fp32 gradient scratch. On a CPU run (the tests) the same code runs without streams.
@@ -143,7 +144,7 @@ class OffloadedMasters:
                     setattr(m, name, b.to(dtype))
         chunk_elems = max(1, int(chunk_mb * 2**20 / 2))
         owned = [p.numel() for p, o in zip(self.trainable, owners) if o == self.rank]
-        _check_host_memory(sum(owned) * host_bytes_per_param() + min(max(owned), chunk_elems) * 4, self.device)
+        _check_host_memory(sum(owned) * host_bytes_per_param() + (chunk_elems + max(owned)) * 4, self.device)
         self.buckets: list[_Bucket] = []
         for r in range(self.world_size):
             for kept in (False, True):

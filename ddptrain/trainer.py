@@ -122,6 +122,9 @@ class Trainer:
                 dist.broadcast_module(model)  # the masters are made here: same start on every rank
             sharded = cfg.optim.zero and self.info.world_size > 1  # each rank: its own partition's masters
             if cfg.optim.offload == "cpu":  # each rank's partition of masters on the host, updated there
+                if self.info.world_size > 1 and not cfg.optim.zero:  # its checkpoints are sharded masters'
+                    raise ConfigError("optim.offload=cpu on several processes shards the masters as optim.zero "
+                                      "does: set optim.zero=true (a resume may then turn the offload off)")
                 self.master = offload.prepare(model, cfg.optim.offload_chunk_mb, self.device)
             else:
                 self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)

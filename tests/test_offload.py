@@ -173,3 +173,14 @@ def test_offload_composes_with_sharded_gradients_bitwise(tmp_path):
         assert off["offloaded"] and off["losses"] == dev["losses"]
         for k, v in dev["params"].items():
             assert torch.equal(off["params"][k], v), f"rank {r}: {k}"
+
+
+def _no_zero_worker(rank, world, out):
+    cfg = make_cfg(os.path.join(out, "run"), "trainer.max_steps=1", *BF16, *SMALL_CHUNKS)
+    with pytest.raises(ConfigError, match="set optim.zero=true"):
+        ddptrain.Trainer(FrameMLP(), frame_loss, cfg, [mb[rank] for mb in micro_batches(1)])
+
+
+@pytest.mark.timeout(120)
+def test_offload_on_several_ranks_needs_optim_zero(tmp_path):
+    run_ranks(_no_zero_worker, 2, str(tmp_path))
