@@ -2,8 +2,13 @@
 
 The model is ``transformers.GlmAsrForConditionalGeneration`` (transformers >= 5) from a folder you
 downloaded (config, tokenizer files, safetensors); nothing is fetched. transformers is a
-dependency of this recipe only, never of ddptrain.
+dependency of this recipe only, never of ddptrain. Without ``glmasr.path`` the recipe refuses to
+start, unless a random init is asked for by name (``glmasr.preset``: ``tiny``, ``published``).
 
+    # the model folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, ...)
+    huggingface-cli download zai-org/GLM-ASR-Nano-2512 --local-dir /models/GLM-ASR-Nano-2512
+    # the CPU mode, no download: a tiny random GlmAsr on the shipped digits (about a minute, 2 cores)
+    python examples/finetune_glmasr.py --config configs/glmasr_tiny.yaml
     # one GPU, your manifests, the default set-up (30 s windows, bf16 weights + fp32 masters)
     python examples/finetune_glmasr.py --config configs/glmasr.yaml glmasr.path=/models/GLM-ASR-Nano-2512 \\
         data.train_manifest=train.jsonl data.eval_manifest=dev.jsonl
@@ -37,11 +42,7 @@ that ``batch`` does no harm on your data.
 Evaluation: the eval loss, and WER/CER of greedy decoding (HF ``generate``; batched,
 length-sorted, each rank its own shard; error counts summed over ranks).
 
-Speed (one H200, random-init published config, batch 16, bench/bench_glmasr.py, 2026-12-01):
-configs/glmasr.yaml (bf16 weights + fp32 masters, compiled layers) 30.6 utterances/s at 73 GB
-with 30 s windows, 34.0 with windows cut to the batch; the HF Trainer 25.8 at 102 GB, with
-DeepSpeed ZeRO-2 22.4 at 90 GB. The step is bound by the host launching HF's many small kernels
-(profiled: 155 ms of GPU work in a 231 ms step with cut windows).
+Speed on one H200 against the HF Trainer (bench/bench_glmasr.py): BENCHMARKS.md, section GLM-ASR.
 """
 
 from __future__ import annotations
@@ -71,15 +72,21 @@ from ddptrain.data.sampler import speed_stretch  # noqa: E402
 from ddptrain.data.validate import budget_problems, check_entries, keep_good, read_entries  # noqa: E402
 from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
                            load_hf_model)
+from models.folders import check_model_folder, download_command  # noqa: E402
 
+MODEL_ID = "zai-org/GLM-ASR-Nano-2512"  # the Hugging Face model id glmasr.path is a download of
+# what the recipe reads from glmasr.path (transformers' own errors on a missing file name another cause)
+MODEL_FILES = {"config.json": ("config.json",), "the weights (model*.safetensors)": ("*.safetensors",),
+               "the tokenizer (tokenizer.json, tokenizer_config.json)": ("tokenizer.json",)}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|begin_of_audio|>", "<|end_of_audio|>"]
 DEFAULT_PROMPT = "<|user|>\n<|begin_of_audio|>{audio}<|end_of_audio|><|user|>\nPlease transcribe this audio into text<|assistant|>\n"
 AUDIO_TOKEN = "<|pad|>"  # the tokenizer's name of config.audio_token_id in the released model
 
 
 @dataclass
 class GlmAsrRecipeConfig:
-    path: str = ""  # local model folder (config.json, safetensors, tokenizer files); "" = random init from preset
-    preset: str = "published"  # random init: published (the released layout, 2.1B) | tiny (tests)
+    path: str = ""  # local model folder (config.json, safetensors, tokenizer files), downloaded from MODEL_ID
+    preset: str = ""  # "" = load glmasr.path; a random init instead: published (the released layout, 2.1B) | tiny (CPU)
     tokenizer: str = ""  # tokenizer folder; "" = path
     attn_implementation: str = "sdpa"  # sdpa | eager (| flash_attention_2 where installed)
     prompt: str = DEFAULT_PROMPT  # text around the audio; {audio} marks the placeholders
@@ -113,7 +120,7 @@ class RecipeConfig(ddptrain.Config):
     RESUME_FOLDERS: ClassVar[tuple[str, ...]] = ("glmasr.path",)  # moved or copied elsewhere: still accepted
     # checked at load with the library's (ddptrain/config.py RULES), each error naming its key
     RULES: ClassVar[dict] = {
-        "glmasr.preset": one_of("published", "tiny"),
+        "glmasr.preset": one_of("", "published", "tiny"),
         "glmasr.encoder_length": one_of("window", "batch"),
         "glmasr.long_audio": one_of("split", "refuse"),
         "glmasr.prompt": satisfies("text with {audio} once", lambda v: v.count("{audio}") == 1,
@@ -176,12 +183,50 @@ class TranscriptTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def load_tokenizer(g: GlmAsrRecipeConfig):
+def check_model_source(g: GlmAsrRecipeConfig) -> None:
+    """Refuse a run without weights to load unless a random init is asked for by name.
+
+    Raises:
+        ConfigError: neither or both of ``glmasr.path`` and ``glmasr.preset``; a model or tokenizer
+            folder that is missing or lacks a file (the message says what a downloaded one holds).
+    """
+    get = f"{download_command(MODEL_ID)}, then glmasr.path=/models/{MODEL_ID.split('/')[-1]}"
+    if not g.path and not g.preset:
+        raise ddptrain.ConfigError(f"glmasr.path is not set: the recipe fine-tunes a downloaded {MODEL_ID}: {get}. "
+                                   "A random init instead: glmasr.preset=tiny (a CPU-sized model, "
+                                   "configs/glmasr_tiny.yaml) or glmasr.preset=published (the released 2.1B layout)")
+    if g.path and g.preset:
+        raise ddptrain.ConfigError(f"glmasr.path={g.path!r} and glmasr.preset={g.preset!r}: the preset is a random "
+                                   "init, the path loads weights; set glmasr.preset='' to fine-tune the folder")
+    if g.path:
+        check_model_folder("glmasr.path", g.path, MODEL_FILES if not g.tokenizer else dict(list(MODEL_FILES.items())[:2]),
+                           MODEL_ID)
+    if g.tokenizer:
+        check_model_folder("glmasr.tokenizer", g.tokenizer, dict(list(MODEL_FILES.items())[2:]), MODEL_ID)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 bytes + the released model's special tokens, no merges) for the
+    tiny preset: built here, so a CPU run needs no download and every rank gets the same one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0])
+
+
+def load_tokenizer(g: GlmAsrRecipeConfig, real_data: bool = False):
+    """The tokenizer of ``glmasr.tokenizer`` or ``glmasr.path``; the tiny preset on real data
+    without one: :func:`byte_tokenizer`; else ``None`` (synthetic token ids)."""
     from transformers import AutoTokenizer
 
     folder = g.tokenizer or g.path
     if not folder:
-        return None
+        return byte_tokenizer() if g.preset == "tiny" and real_data else None
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
@@ -461,10 +506,13 @@ class GlmAsrObjective:
 def build(cfg, info) -> tuple:
     """(model, objective, train loader, eval loader or None, tokenizer or None) for ``cfg``."""
     g = cfg.glmasr
-    hf_tok = load_tokenizer(g)
-    if hf_tok is None and (cfg.data.train_manifest or g.preset == "tiny"):
-        raise ddptrain.ConfigError("real data (data.train_manifest) and the tiny preset need a tokenizer: "
-                                   "set glmasr.path (or glmasr.tokenizer)")
+    check_model_source(g)
+    hf_tok = load_tokenizer(g, bool(cfg.data.train_manifest))
+    if hf_tok is None and g.preset == "tiny":
+        raise ddptrain.ConfigError("glmasr.preset=tiny trains on real data: set data.train_manifest "
+                                   "(configs/glmasr_tiny.yaml uses the shipped digits)")
+    if hf_tok is None and cfg.data.train_manifest:
+        raise ddptrain.ConfigError("real data (data.train_manifest) needs a tokenizer: set glmasr.path (or glmasr.tokenizer)")
     tiny = None
     if hf_tok is not None and not g.path:
         eos = g.eos_token or hf_tok.eos_token

@@ -1,8 +1,11 @@
 """Fine-tune VoxCPM (0.5B / 1.5) text-to-speech on one voice or dialect with ddptrain.Trainer.
 
-    # the CPU demo: a tiny random-init VoxCPM on the shipped Lancashire-English corpus (~2 min)
+    # the CPU demo: a tiny random-init VoxCPM on the shipped Lancashire-English corpus
+    # (1 min 17 s measured on this project's shared 2-core CPU machine, 2026-12-01)
     python examples/finetune_tts.py --config configs/tts_dialect.yaml
-    # VoxCPM1.5 from a folder you downloaded, full fine-tuning on your data, 8 GPUs
+    # the VoxCPM1.5 folder (config.json, model.safetensors, audiovae.safetensors or .pth, tokenizer files)
+    huggingface-cli download openbmb/VoxCPM1.5 --local-dir /models/VoxCPM1.5
+    # VoxCPM1.5 from that folder, full fine-tuning on your data, 8 GPUs
     torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm15.yaml \\
         tts.path=/models/VoxCPM1.5 data.train_manifest=my/train.jsonl data.eval_manifest=my/dev.jsonl
     # the same with LoRA r=8 on q/k/v/o of both LMs and the DiT (upstream's LoRA recipe)
@@ -64,7 +67,15 @@ from ddptrain.config import above, at_least, one_of, satisfies  # noqa: E402
 from ddptrain.data import DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
 from ddptrain.data.validate import budget_problems, keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
+from models.folders import check_model_folder, download_command  # noqa: E402
 from tts_cache import CachedUtterance, prepare, read_cache  # noqa: E402
+
+
+MODEL_ID = "openbmb/VoxCPM1.5"  # the Hugging Face model id tts.path is a download of
+# what the recipe reads from tts.path (upstream's loader would fail on the first missing one)
+MODEL_FILES = {"config.json": ("config.json",), "model.safetensors (or pytorch_model.bin)": (
+    "model.safetensors", "pytorch_model.bin"), "audiovae.safetensors (or audiovae.pth)": (
+    "audiovae.safetensors", "audiovae.pth"), "the tokenizer (tokenizer.json)": ("tokenizer.json",)}
 
 
 @dataclass
@@ -98,7 +109,8 @@ class RecipeConfig(ddptrain.Config):
     # checked at load with the library's (ddptrain/config.py RULES), each error naming its key
     RULES: ClassVar[dict] = {
         "tts.path": satisfies("a VoxCPM checkpoint folder | \"\"", lambda v: not v or os.path.isdir(v),
-                              "is not a folder (a VoxCPM checkpoint folder)"),
+                              f"is not a folder: a downloaded {MODEL_ID} folder holds {'; '.join(MODEL_FILES)}. "
+                              f"Download it with: {download_command(MODEL_ID)}"),
         "tts.preset": one_of(*vt.PRESETS),
         **{f"tts.{k}": at_least(0) for k in ("max_text_tokens", "num_samples", "vae_seed", "sample_seed", "eval_seed",
                                              "diff_weight", "stop_weight")},
@@ -106,6 +118,10 @@ class RecipeConfig(ddptrain.Config):
         "tts.sample_max_ratio": above(0),
     }
     RULES_TOGETHER: ClassVar[list] = [
+        # the adapters of a random base are worthless, and the published layout's random init is slow
+        (("lora.enabled", "tts.path", "tts.preset"), lambda lora, path, preset: not lora or bool(path) or preset == "tiny",
+         f"LoRA adapts downloaded weights: set tts.path to a {MODEL_ID} folder ({download_command(MODEL_ID)}, then "
+         f"tts.path=/models/{MODEL_ID.split('/')[-1]}); only tts.preset=tiny (tests) trains adapters on a random init"),
         (("data.spec_augment", "data.speed_perturb", "data.feature_device"),
          lambda augment, speeds, device: not augment and not speeds and device == "worker",
          "TTS trains on VAE latents cached before training (examples/prepare_tts.py): data.spec_augment, "
@@ -138,6 +154,7 @@ def vae_spec(cfg) -> dict:
 def model_layout(cfg):
     """The VoxCPMConfig of the run (from tts.path's config.json, or the preset)."""
     if cfg.tts.path:
+        check_model_folder("tts.path", cfg.tts.path, MODEL_FILES, MODEL_ID)
         with open(os.path.join(cfg.tts.path, "config.json"), encoding="utf-8") as f:
             return vt.import_voxcpm().VoxCPMConfig.model_validate_json(f.read())
     return vt.preset_config(cfg.tts.preset, 0, compute_dtype(cfg))
@@ -370,6 +387,7 @@ def build_model(cfg, info) -> Built:
     """The model (VAE removed), the VAE and the tokenizer for ``cfg``."""
     device = str(info.device)
     if cfg.tts.path:
+        check_model_folder("tts.path", cfg.tts.path, MODEL_FILES, MODEL_ID)
         model, vae, hf_tok = vt.load_pretrained(cfg.tts.path, device, compute_dtype(cfg))
     else:
         vae, hf_tok = random_vae(cfg), vt.char_tokenizer()
