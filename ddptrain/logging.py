@@ -62,26 +62,32 @@ class RunLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                             file=sys.stderr, mininterval=1.0, disable=None)
 
-    def log(self, step: int, scalars: dict, prefix: str = "train") -> None:
-        """Record ``scalars`` at optimizer step ``step`` under ``prefix/`` (train, eval, data)."""
+    def log(self, step: int, scalars: dict, prefix: str = "train", name: str = "") -> None:
+        """Record ``scalars`` at optimizer step ``step`` under ``prefix/`` (train, eval, data).
+
+        Args:
+            name: the data set, when a prefix covers several (each test set): in the printed line,
+                as ``"set"`` in metrics.jsonl and in the TensorBoard tags (``test/NAME/wer``).
+        """
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in scalars.items() if v is not None}
+        tag = f"{prefix}/{name}" if name else prefix  # two test sets at one step would share test/wer
         if self.tb is not None:
             try:
                 for k, v in clean.items():
-                    self.tb.add_scalar(f"{prefix}/{k}", v, step)
+                    self.tb.add_scalar(f"{tag}/{k}", v, step)
             except Exception as e:  # the writer thread re-raises its own write errors here
                 self._drop("tb", self.tb_path, e)
         if self.jsonl is not None:
-            record = {"step": step, "split": prefix, "time": round(time.time(), 3)}
+            record = {"step": step, "split": prefix, **({"set": name} if name else {}), "time": round(time.time(), 3)}
             record.update({k: (v if math.isfinite(v) else str(v)) for k, v in clean.items()})
             try:
                 self.jsonl.write(json.dumps(record) + "\n")
             except OSError as e:
                 self._drop("jsonl", self.jsonl_path, e)
         text = " ".join(f"{k}={_fmt(v)}" for k, v in clean.items())
-        self.print(f"[{prefix} step {step}] {text}")
+        self.print(f"[{prefix} {name} step {step}] {text}" if name else f"[{prefix} step {step}] {text}")
 
     def step_done(self, step: int, loss_sum: float, units: float, wait_s: float, last: bool,
                   extra: Callable[[], dict]) -> None:

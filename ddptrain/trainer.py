@@ -284,7 +284,8 @@ class Trainer:
         raise self.guard.error(reason, self.save() if reason == "nonfinite" else None)
 
     @torch.no_grad()
-    def evaluate(self, data: Optional[Iterable] = None, prefix: str = "eval", max_batches: int = 0) -> dict:
+    def evaluate(self, data: Optional[Iterable] = None, prefix: str = "eval", max_batches: int = 0,
+                 name: str = "") -> dict:
         """Loss per unit and user metrics over a whole data set, reduced as sums over ranks.
 
         Uses the unwrapped module: DDP's forward may run collectives (buffer broadcast), and
@@ -294,6 +295,7 @@ class Trainer:
             data: defaults to the Trainer's ``eval_data`` (whose result feeds keep-best-k);
                 pass another loader to score, say, a test set, logged under ``prefix``.
             max_batches: > 0: a probe of that many batches per rank, neither logged nor kept.
+            name: which data set ``data`` is (a test manifest), logged with the result.
 
         Raises:
             ConfigError: ``checkpoint.keep_best`` ranks by a metric this evaluation does not produce.
@@ -331,7 +333,7 @@ class Trainer:
         if own and not max_batches:
             p.last_eval, p.last_eval_step = result, p.step
         if not max_batches:
-            self.logger.log(p.step, result, prefix=prefix)
+            self.logger.log(p.step, result, prefix=prefix, name=name)
         return result
 
     # ------------------------------------------------------------------ checkpointing

@@ -121,6 +121,24 @@ def build(cfg: ASRConfig) -> tuple:
     return model, CTCObjective(tokenizer, train_loader.feature_extractor), train_loader, eval_loader, tokenizer
 
 
+def build_eval(cfg: ASRConfig, info, manifests: list[str]) -> tuple:
+    """examples/evaluate.py's pieces: ``(model, loss_fn, metrics_fn, {manifest: eval loader})``.
+
+    The model is built as :func:`build` builds it (``model.init_from`` loaded, if set); evaluate.py
+    then loads the weights to score. The tokenizer is the training run's (``data.tokenizer``).
+    """
+    tokenizer = load_or_build_tokenizer(cfg.data) if info.is_main else None
+    ddptrain.dist.barrier()
+    tokenizer = tokenizer or load_or_build_tokenizer(cfg.data)
+    cfg.model.vocab_size = tokenizer.vocab_size
+    loaders = {m: build_dataloader(m, cfg.data, tokenizer, train=False) for m in manifests}
+    model = ConformerCTC(cfg.model)
+    if cfg.model.init_from:
+        ddptrain.load_weights(model, cfg.model.init_from, strict=cfg.model.init_strict)
+    objective = CTCObjective(tokenizer, next(iter(loaders.values())).feature_extractor)
+    return model, objective, objective.error_counts, loaders
+
+
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (keys: see the README's config reference)")
@@ -137,13 +155,13 @@ def main(argv: list[str]) -> dict:
     tests = {path: build_dataloader(path, cfg.data, tokenizer, train=False) for path in cfg.demo.test_manifests}
     summary = {"before": {}, "after": {}}
     if cfg.model.init_from and trainer.step == 0:  # the starting point, for a before/after comparison
-        summary["before"] = {p: evaluate_on(trainer, loader) for p, loader in tests.items()}
+        summary["before"] = {p: evaluate_on(trainer, loader, p) for p, loader in tests.items()}
     elif trainer.step > 0:  # a resume: the run's first launch measured the starting point
         summary["before"] = {p: v for p, v in previous_report(cfg).get("before", {}).items() if p in tests}
     start = time.time()
     trainer.fit()
     summary["train_seconds"] = round(time.time() - start, 1)
-    summary["after"] = {p: evaluate_on(trainer, loader) for p, loader in tests.items()}
+    summary["after"] = {p: evaluate_on(trainer, loader, p) for p, loader in tests.items()}
     trainer.close()  # after the test-set evaluations: they are logged too
     if info.is_main:
         print_summary(summary)
@@ -161,9 +179,10 @@ def previous_report(cfg: ASRConfig) -> dict:
         return {}
 
 
-def evaluate_on(trainer: ddptrain.Trainer, loader) -> dict:
-    """WER/CER of the current model on one test set (same reduction as periodic evaluation)."""
-    return {k: round(v, 4) for k, v in trainer.evaluate(loader, prefix="test").items()}
+def evaluate_on(trainer: ddptrain.Trainer, loader, name: str = "") -> dict:
+    """WER/CER of the current model on one test set (same reduction as periodic evaluation),
+    logged as ``[test NAME step N]`` (``name``: the manifest)."""
+    return {k: round(v, 4) for k, v in trainer.evaluate(loader, prefix="test", name=name).items()}
 
 
 def print_summary(summary: dict) -> None:

@@ -503,15 +503,16 @@ class GlmAsrObjective:
 # ---------------------------------------------------------------------------------- main
 
 
-def build(cfg, info) -> tuple:
-    """(model, objective, train loader, eval loader or None, tokenizer or None) for ``cfg``."""
+def build_model(cfg, info, real_data: bool) -> tuple:
+    """``(GlmAsrForTraining, HF tokenizer or None)``: the weights of ``glmasr.path`` or a random
+    init of ``glmasr.preset``, the same on every rank."""
     g = cfg.glmasr
     check_model_source(g)
-    hf_tok = load_tokenizer(g, bool(cfg.data.train_manifest))
+    hf_tok = load_tokenizer(g, real_data)
     if hf_tok is None and g.preset == "tiny":
         raise ddptrain.ConfigError("glmasr.preset=tiny trains on real data: set data.train_manifest "
                                    "(configs/glmasr_tiny.yaml uses the shipped digits)")
-    if hf_tok is None and cfg.data.train_manifest:
+    if hf_tok is None and real_data:
         raise ddptrain.ConfigError("real data (data.train_manifest) needs a tokenizer: set glmasr.path (or glmasr.tokenizer)")
     tiny = None
     if hf_tok is not None and not g.path:
@@ -521,7 +522,14 @@ def build(cfg, info) -> tuple:
     torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and every run
     with torch.device(info.device if not g.path else "cpu"):  # a 2B random init is fast on the GPU
         hf_model = load_hf_model(g.path, g.preset, g.attn_implementation, tiny)
-    model = GlmAsrForTraining(hf_model, freeze_encoder=g.freeze_encoder)
+    return GlmAsrForTraining(hf_model, freeze_encoder=g.freeze_encoder), hf_tok
+
+
+def build(cfg, info) -> tuple:
+    """(model, objective, train loader, eval loader or None, tokenizer or None) for ``cfg``."""
+    g = cfg.glmasr
+    model, hf_tok = build_model(cfg, info, bool(cfg.data.train_manifest))
+    hf_model = model.hf
     max_positions = hf_model.config.text_config.max_position_embeddings
     if hf_tok is None:
         layout = synthetic_layout(hf_model.config)
@@ -536,6 +544,20 @@ def build(cfg, info) -> tuple:
                                    info.world_size, info.rank) if cfg.data.eval_manifest else None)
     objective = GlmAsrObjective(layout, tok, train.feature_extractor, g.max_new_tokens)
     return model, objective, train, evals, hf_tok
+
+
+def build_eval(cfg, info, manifests: list[str]) -> tuple:
+    """examples/evaluate.py's pieces: ``(model, loss_fn, metrics_fn, {manifest: eval loader})``;
+    the metrics are WER/CER of greedy decoding (``glmasr.generate_eval``)."""
+    g = cfg.glmasr
+    model, hf_tok = build_model(cfg, info, True)
+    max_positions = model.config.text_config.max_position_embeddings
+    layout = PromptLayout.from_tokenizer(hf_tok, model.config, g.prompt, g.eos_token)
+    tok = TranscriptTokenizer(hf_tok, layout.eos_id)
+    loaders = {m: build_manifest_loader(m, cfg, tok, layout, max_positions, False, info.world_size, info.rank)
+               for m in manifests}
+    objective = GlmAsrObjective(layout, tok, next(iter(loaders.values())).feature_extractor, g.max_new_tokens)
+    return model, objective, objective.error_counts if g.generate_eval else None, loaders
 
 
 def main(argv: list[str]) -> dict:

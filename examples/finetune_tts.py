@@ -438,7 +438,7 @@ def main(argv: list[str]) -> dict:
     summary["train_seconds"] = round(time.time() - start, 1)
     spec, patch = vae_spec(cfg), b.layout.patch_size
     summary["test"] = {m: trainer.evaluate(build_loader(read_cache(m, spec, patch), cfg, b.tokenizer, b.layout, False,
-                                                        info.world_size, info.rank), prefix="test")
+                                                        info.world_size, info.rank), prefix="test", name=m)
                        for m in cfg.tts.test_manifests}
     trainer.close()  # after the test-set evaluations: they are logged too
     if info.is_main:
