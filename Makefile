@@ -23,10 +23,10 @@ install: $(STAMP)  ## create .venv with torch==2.11.0, torchaudio==2.11.0 and dd
 test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo)
 	$(PYBIN) -m pytest -q tests
 
+# a previous demo run is not deleted: checkpoint.start_over moves its files to runs/asr_demo/*/archive/ and says so
 demo: $(STAMP)  ## install, then run the main job: the two-stage ASR demo on the shipped data (CPU)
-	rm -rf runs/asr_demo
-	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo.yaml $(ARGS)
-	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo_accent.yaml $(ARGS)
+	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo.yaml checkpoint.start_over=true $(ARGS)
+	$(PYBIN) examples/finetune_asr.py --config configs/asr_demo_accent.yaml checkpoint.start_over=true $(ARGS)
 
 minimal: $(STAMP)  ## install, then run the dozen-line example under torchrun with 2 CPU processes
 	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) examples/minimal.py

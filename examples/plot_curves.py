@@ -9,8 +9,12 @@ scalars live: `tensorboard --logdir runs/asr_demo`.
 import argparse
 import json
 import os
+import sys
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError:  # not a ddptrain dependency: say so in one line instead of a traceback
+    sys.exit("examples/plot_curves.py needs matplotlib, which the set-up does not install: pip install matplotlib")
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
