@@ -35,7 +35,7 @@ What stays on the device: weights (parameters, their views and autocast's casts 
 exist anyway, and moving them every step only costs bandwidth), tensors under ``min_bytes``
 (a copy's latency is worth more than their memory), tensors on another device, and anything that
 is not a plain strided tensor (sparse, quantized, conjugate views, subclasses). Offloading moves
-values, never RNG or autocast state, so recompute's replay (DESIGN.md) is untouched.
+values, never RNG or autocast state, so recompute's replay (docs/design.md) is untouched.
 
 With compile: a regionally compiled block runs its compiled forward inside the region (the hooks
 are entered around it, eagerly). A whole-model ``torch.compile`` does not run saved-tensor hooks

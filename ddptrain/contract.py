@@ -1,6 +1,6 @@
 """What a batch and a ``loss_fn``'s answer must look like, and the errors that say so.
 
-The loss contract (DESIGN.md): ``loss_fn(model, batch) -> (loss_sum, num_units)``, a 0-d
+The loss contract (docs/design.md): ``loss_fn(model, batch) -> (loss_sum, num_units)``, a 0-d
 tensor summed over units and the count of those units (a number or a one-element tensor,
 >= 0). A broken answer is named here with the rank, step and what was returned, instead of
 surfacing later as a broadcasting error or as every step silently skipped.

@@ -14,7 +14,7 @@ recomputed activations together. Two things remove it:
    Liger-Kernel's fused linear cross-entropy). The FLOPs are those of the plain head: one
    forward and two gradient matmuls, nothing recomputed.
 
-Both functions follow the loss contract (DESIGN.md): they return the *sum* of the token
+Both functions follow the loss contract (docs/design.md): they return the *sum* of the token
 cross-entropies and the number of tokens it covers.
 
 Example, on a Hugging Face causal LM (the base model's last hidden state and the head's weight)::

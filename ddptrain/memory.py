@@ -26,7 +26,7 @@ So plain DDP + AdamW costs 16 B/parameter on every rank, and ZeRO over N ranks
 until backward has used them), reported separately as ``autocast_weight_copies``.
 
 With ``trainer.param_dtype: bf16`` (a bf16 model with fp32 master weights), the memory tiers
-(DESIGN.md), GPU bytes per trainable parameter on N GPUs, each composing with the ones above:
+(docs/design.md), GPU bytes per trainable parameter on N GPUs, each composing with the ones above:
 
 ==========================================  ================  ==============================
 tier                                        GPU B/param       host B/param (per rank)

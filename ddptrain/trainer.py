@@ -7,7 +7,7 @@ Launch the same script any of these ways, with no code change::
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
              --rdzv_endpoint=HOST:29500 train.py --config cfg.yaml     # two nodes
 
-The loss contract (see DESIGN.md): ``loss_fn(model, batch) -> (loss_sum, num_units)``. The
+The loss contract (see docs/design.md): ``loss_fn(model, batch) -> (loss_sum, num_units)``. The
 loss is a *sum* over units (frames, tokens, utterances); the Trainer divides the gradient by the
 global unit count of the whole optimizer step (all micro-batches, all ranks), so 1 GPU with
 accumulation 4 and 4 GPUs without accumulation produce the same update.

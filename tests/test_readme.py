@@ -1,10 +1,10 @@
-"""The README stays true: its config reference is the one the code generates, and its two
-commands exist in the Makefile and in CI."""
+"""The README and docs/ stay true: docs/config.md is the config reference the code generates,
+docs/layout.md lists every ddptrain module with its docstring's first sentence, the README
+links both and its two commands exist in the Makefile and in CI."""
 
+import importlib.util
 import os
 import re
-
-from ddptrain.config import reference_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,11 +14,67 @@ def read(name):
         return f.read()
 
 
+def generate():
+    spec = importlib.util.spec_from_file_location("docs_generate", os.path.join(ROOT, "docs", "generate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_config_reference_is_current():
+    from ddptrain.config import reference_markdown
+
+    current = generate().section(read("docs/config.md"), "config-reference")
+    assert current is not None, "docs/config.md lost its config reference markers"
+    assert current == reference_markdown(), "docs/config.md is stale: run `python docs/generate.py`"
+
+
+def test_layout_lists_every_module():
+    gen = generate()
+    layout = gen.section(read("docs/layout.md"), "layout")
+    assert layout is not None, "docs/layout.md lost its layout markers"
+    listed = set(re.findall(r"^\| `([^`]+\.py)` \|", layout, re.M))
+    modules = set(gen.module_paths())
+    assert "ddptrain/trainer.py" in modules and "ddptrain/data/sampler.py" in modules
+    assert not modules - listed, f"docs/layout.md misses {sorted(modules - listed)}: run `python docs/generate.py`"
+    assert not listed - modules, f"docs/layout.md lists removed modules {sorted(listed - modules)}"
+    assert layout == gen.layout_markdown(), "docs/layout.md is stale: run `python docs/generate.py`"
+
+
+def test_layout_summary_is_the_docstrings_first_sentence():
+    gen = generate()
+    assert gen.summary("ddptrain/trainer.py") == "The Trainer: one DDP training loop you can read top to bottom"
+    assert gen.summary("ddptrain/data/sampler.py").startswith("DurationBucketSampler: batches by a budget")
+
+
+def test_readme_links_the_docs():
     readme = read("README.md")
-    m = re.search(r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", readme, re.S)
-    assert m, "README lost its config reference markers"
-    assert m.group(1) == reference_markdown(), "README config reference is stale: run `python -m ddptrain.config`"
+    for doc in ("docs/config.md", "docs/layout.md", "docs/design.md", "BENCHMARKS.md"):
+        assert f"]({doc}" in readme, f"README does not link {doc}"
+        assert os.path.exists(os.path.join(ROOT, doc))
+    assert len(readme.splitlines()) <= 250, "README is a newcomer's path: 250 lines at most"
+
+
+def slug(heading):
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_lead_to_headings_that_exist():
+    readme = read("README.md")
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", readme):
+        target = target or "README.md"
+        headings = {slug(line.lstrip("#")) for line in read(target).splitlines() if line.startswith("#")}
+        assert anchor in headings, f"README links {target}#{anchor}, a heading {target} does not have"
+
+
+def test_modules_cite_the_design_in_the_repo():
+    for folder, _, files in os.walk(os.path.join(ROOT, "ddptrain")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as f:
+                    text = f.read()
+                assert "DESIGN.md" not in text, f"{name} cites a DESIGN.md not in the repo: docs/design.md"
 
 
 def test_readme_commands_exist():
