@@ -6,7 +6,7 @@ dependency of this recipe only, never of ddptrain. Without ``glmasr.path`` the r
 start, unless a random init is asked for by name (``glmasr.preset``: ``tiny``, ``published``).
 
     # the model folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, ...)
-    huggingface-cli download zai-org/GLM-ASR-Nano-2512 --local-dir /models/GLM-ASR-Nano-2512
+    hf download zai-org/GLM-ASR-Nano-2512 --local-dir /models/GLM-ASR-Nano-2512
     # the CPU mode, no download: a tiny random GlmAsr on the shipped digits (about a minute, 2 cores)
     python examples/finetune_glmasr.py --config configs/glmasr_tiny.yaml
     # one GPU, your manifests, the default set-up (30 s windows, bf16 weights + fp32 masters)

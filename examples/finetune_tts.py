@@ -4,7 +4,7 @@
     # (1 min 17 s measured on this project's shared 2-core CPU machine, 2026-12-01)
     python examples/finetune_tts.py --config configs/tts_dialect.yaml
     # the VoxCPM1.5 folder (config.json, model.safetensors, audiovae.safetensors or .pth, tokenizer files)
-    huggingface-cli download openbmb/VoxCPM1.5 --local-dir /models/VoxCPM1.5
+    hf download openbmb/VoxCPM1.5 --local-dir /models/VoxCPM1.5
     # VoxCPM1.5 from that folder, full fine-tuning on your data, 8 GPUs
     torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm15.yaml \\
         tts.path=/models/VoxCPM1.5 data.train_manifest=my/train.jsonl data.eval_manifest=my/dev.jsonl

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import finetune_glmasr as fg  # noqa: E402
 import finetune_tts as ft  # noqa: E402
 
-GLM_DOWNLOAD = "huggingface-cli download zai-org/GLM-ASR-Nano-2512 --local-dir /models/GLM-ASR-Nano-2512"
-VOX_DOWNLOAD = "huggingface-cli download openbmb/VoxCPM1.5 --local-dir /models/VoxCPM1.5"
+GLM_DOWNLOAD = "hf download zai-org/GLM-ASR-Nano-2512 --local-dir /models/GLM-ASR-Nano-2512"
+VOX_DOWNLOAD = "hf download openbmb/VoxCPM1.5 --local-dir /models/VoxCPM1.5"
 
 
 def glmasr(tmp_path, *overrides):

@@ -15,8 +15,8 @@ import ddptrain
 
 
 def download_command(model_id: str) -> str:
-    """The one command that puts ``model_id`` in ``/models/<name>`` (the huggingface_hub CLI)."""
-    return f"huggingface-cli download {model_id} --local-dir /models/{model_id.split('/')[-1]}"
+    """The one command that puts ``model_id`` in ``/models/<name>`` (huggingface_hub's CLI, installed with transformers: `.venv/bin/hf`)."""
+    return f"hf download {model_id} --local-dir /models/{model_id.split('/')[-1]}"
 
 
 def check_model_folder(key: str, path: str, needs: dict[str, Sequence[str]], model_id: str) -> None:
