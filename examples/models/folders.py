@@ -15,7 +15,8 @@ import ddptrain
 
 
 def download_command(model_id: str) -> str:
-    """The one command that puts ``model_id`` in ``/models/<name>`` (huggingface_hub's CLI, installed with transformers: `.venv/bin/hf`)."""
+    """The command that puts ``model_id`` in ``/models/<name>``: huggingface_hub's CLI (``hf``, installed
+    with transformers)."""
     return f"hf download {model_id} --local-dir /models/{model_id.split('/')[-1]}"
 
 
