@@ -732,10 +732,10 @@ def to_yaml(cfg: Any) -> str:
 
 def reference_markdown(schema: type = Config) -> str:
     """A Markdown table of every config key, its default, what it accepts (:data:`RULES`) and
-    its comment (for the README).
+    its comment (docs/config.md).
 
-    The comments are read from the dataclass source, so the README reference cannot drift from
-    the code: ``python -m ddptrain.config`` regenerates it, and a test checks it is current.
+    The comments are read from the dataclass source, so the reference cannot drift from the code:
+    ``python docs/generate.py`` rewrites docs/config.md from it, and a test checks it is current.
     """
     import inspect
     import re

@@ -55,6 +55,14 @@ def test_readme_links_the_docs():
     assert len(readme.splitlines()) <= 250, "README is a newcomer's path: 250 lines at most"
 
 
+def test_benchmarks_is_one_current_table_per_question():
+    benchmarks = read("BENCHMARKS.md")
+    assert len(benchmarks.splitlines()) <= 400, "BENCHMARKS.md: 400 lines at most (the journal: bench/NOTES.md)"
+    for heading in ("## (a) Against peers on one GPU", "## (b) Scaling", "## (c) Memory and ZeRO", "## (d) Recompute",
+                    "## (e) Data pipeline", "### On a 24 GB card: GLM-ASR-Nano-2512", "### On a 24 GB card: a 9B LoRA"):
+        assert heading in benchmarks, f"BENCHMARKS.md lost its section {heading!r}"
+
+
 def slug(heading):
     """GitHub's anchor for a Markdown heading."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
