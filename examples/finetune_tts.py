@@ -1,7 +1,7 @@
 """Fine-tune VoxCPM (0.5B / 1.5) text-to-speech on one voice or dialect with ddptrain.Trainer.
 
     # the CPU demo: a tiny random-init VoxCPM on the shipped Lancashire-English corpus
-    # (on this project's 2-core CPU machine: 1 min 17 s idle, 5 min 19 s shared with other jobs at a load of 3-4)
+    # (on this project's shared 2-core CPU machine: 1 min 17 s in one run, 5 min 19 s at a load average of 3-4)
     python examples/finetune_tts.py --config configs/tts_dialect.yaml
     # the VoxCPM1.5 folder (config.json, model.safetensors, audiovae.safetensors or .pth, tokenizer files)
     hf download openbmb/VoxCPM1.5 --local-dir /models/VoxCPM1.5
