@@ -12,7 +12,7 @@
     python examples/finetune_asr.py --config configs/asr_demo.yaml \\
         data.train_manifest=my/train.jsonl data.eval_manifest=my/dev.jsonl demo.test_manifests=[my/test.jsonl]
 
-Everything is in the config (see configs/*.yaml and the README's config reference); any key can
+Everything is in the config (see configs/*.yaml and docs/config.md); any key can
 be overridden as ``key=value``. The model lives in examples/models, not in the library.
 """
 
@@ -141,7 +141,7 @@ def build_eval(cfg: ASRConfig, info, manifests: list[str]) -> tuple:
 
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML config (keys: see the README's config reference)")
+    parser.add_argument("--config", help="YAML config (keys: see docs/config.md)")
     args, overrides = parser.parse_known_args(argv)
     cfg = ddptrain.load_config(args.config, overrides, schema=ASRConfig)
     info = ddptrain.setup_distributed(cfg)  # samplers below need the rank and world size
