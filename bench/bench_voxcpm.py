@@ -253,7 +253,7 @@ def run_upstream(args) -> dict:
 
 def run_ddptrain(args) -> dict:
     import finetune_tts as ft
-    import prepare_tts
+    import tts_cache
     from workloads import Interleave  # bench/workloads.py: the N ranks' batches in step order
 
     import ddptrain
@@ -286,7 +286,7 @@ def run_ddptrain(args) -> dict:
         z = vt.encode_latents(vae, torch.from_numpy(ds[i]["audio_array"]), layout.patch_size).numpy()
         path = os.path.join(folder, f"{i}.npy")
         np.save(path, z)
-        utts.append(prepare_tts.CachedUtterance(str(i), str(i), path, int(z.shape[0]), "synthetic", i + 1))
+        utts.append(tts_cache.CachedUtterance(str(i), str(i), path, int(z.shape[0]), "synthetic", i + 1))
     sync()
     prepare_s = time.perf_counter() - t
     if ws > 1:  # every rank's share, for every rank's batch plan (the files are on this host)
