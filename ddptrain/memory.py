@@ -87,8 +87,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ddptrain.config import Config, ConfigError, load_config
 from ddptrain.contract import to_device
+from ddptrain.optim import param_groups
 from ddptrain.precision import KEEP_FP32
+from ddptrain.sharded_masters import partition
 
 _ADAM = ("adam", "adamw")
 GiB = 2**30
@@ -223,7 +226,6 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
             given by count without ``stream_ring_bytes``.
     """
     if cfg is None:
-        from ddptrain.config import Config
 
         cfg = Config()
     if world_size < 1:
@@ -242,7 +244,6 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
     ring = host_base = 0
 
     if isinstance(model_or_num_params, nn.Module):
-        from ddptrain.optim import param_groups
 
         model = model_or_num_params
         params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
@@ -257,7 +258,6 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         sizes = [p.numel() for p in trainable]
         owners = [0] * len(trainable)
         if ddp and (offload or (bf16 and (zero or shard_grads))):  # whole tensors over all trainable ones
-            from ddptrain.sharded_masters import partition
 
             owners = partition(sizes, world_size)
             shard = max(sum(n for n, o in zip(sizes, owners) if o == r) for r in range(world_size))
@@ -391,7 +391,6 @@ def fits_table(sizes: Sequence[float] = (0.3e9, 1.5e9, 3e9, 7e9, 10.29e9, 14e9),
         measured: ``{(size, gpus, "full" | "lora"): peak GiB}`` measured on a GPU: shown beside
             the estimate and marked as measured.
     """
-    from ddptrain.config import Config
 
     head = "| parameters | mode | " + " | ".join(f"{g} GPU{'s' if g > 1 else ''}" for g in gpus) + " |"
     rows = [head, "| --- | --- |" + " --- |" * len(gpus)]
@@ -412,7 +411,6 @@ def fits_table(sizes: Sequence[float] = (0.3e9, 1.5e9, 3e9, 7e9, 10.29e9, 14e9),
 
 def _tier_config(zero: bool = False, shard_grads: bool = False, offload: bool = False, streamed: bool = False,
                  chunk_mb: float = 256.0, stream_ahead: int = 1):
-    from ddptrain.config import Config
 
     cfg = Config()
     cfg.trainer.precision, cfg.trainer.param_dtype, cfg.optim.zero = "bf16", "bf16", zero
@@ -536,114 +534,6 @@ def measure_activations(model: nn.Module, loss_fn: Callable, batch: Any,
     return {"activations": int(peak - at_rest), "peak": int(peak), "at_rest": int(at_rest)}
 
 
-# ----------------------------------------------------------------------------- host memory
-
-
-def _meminfo_available(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _read_int(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-        return None if text == "max" else int(text)
-    except (OSError, ValueError):
-        return None
-
-
-def _stat_value(path: str, key: str) -> int:
-    try:
-        with open(path) as f:
-            return next((int(line.split()[1]) for line in f if line.split()[:1] == [key]), 0)
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def cgroup_memory_available(root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Bytes the process's cgroup may still take before its memory limit, or None (no limit, or
-    no cgroup file readable). cgroup v2: ``memory.max`` minus ``memory.current`` (less its
-    reclaimable ``inactive_file`` page cache) of the own cgroup (``/proc/self/cgroup``) and each
-    of its parents, or inside a container's namespace of the root, the tightest; v1:
-    ``memory/memory.limit_in_bytes`` minus ``memory.usage_in_bytes`` (less ``total_inactive_file``)."""
-    own = ""
-    try:
-        with open("/proc/self/cgroup") as f:
-            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
-    except OSError:
-        pass
-    parts = [p for p in own.strip("/").split("/") if p]
-    folders = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
-    found = []
-    for folder in dict.fromkeys(folders):
-        limit = _read_int(os.path.join(folder, "memory.max"))
-        if limit is not None:
-            used = (_read_int(os.path.join(folder, "memory.current")) or 0) - _stat_value(
-                os.path.join(folder, "memory.stat"), "inactive_file")
-            found.append(limit - max(used, 0))
-    if found:
-        return max(min(found), 0)
-    limit = _read_int(os.path.join(root, "memory", "memory.limit_in_bytes"))
-    if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
-        return None
-    used = (_read_int(os.path.join(root, "memory", "memory.usage_in_bytes")) or 0) - _stat_value(
-        os.path.join(root, "memory", "memory.stat"), "total_inactive_file")
-    return max(limit - max(used, 0), 0)
-
-
-def available_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Host memory this process can still take, in bytes: the machine's ``MemAvailable``, at most
-    what its cgroup's limit leaves; None when neither can be read."""
-    known = [b for b in (_meminfo_available(meminfo), cgroup_memory_available(cgroup_root)) if b is not None]
-    return min(known) if known else None
-
-
-def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what: str = "optim.offload=cpu",
-                      reserve_bytes: float = GiB, meminfo: str = "/proc/meminfo",
-                      cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Refuse, before training, a run whose ranks on this node need more host memory than is free.
-
-    Every rank of the node calls it with its own need before any of them allocates (each then
-    sees the same free memory, and the check counts all ``local_world_size`` shares).
-
-    Args:
-        needed_bytes_per_rank: host bytes one rank will allocate (the estimator's
-            ``host_total``; ``OffloadedMasters.host_bytes()``).
-        local_world_size: ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``).
-        what: the switch that needs the memory, for the message.
-        reserve_bytes: kept free for the rest of the process (the Python heap, loader workers).
-        meminfo, cgroup_root: where to read (tests pass fakes).
-
-    Returns:
-        The available bytes it compared against, or None when nothing could be read (no check).
-
-    Raises:
-        ConfigError: the need (all local ranks, plus the reserve) exceeds what is available; the
-            message has the numbers and what to change.
-    """
-    from ddptrain.config import ConfigError
-
-    available = available_host_memory(meminfo, cgroup_root)
-    if available is None:
-        return None
-    need = float(needed_bytes_per_rank) * max(int(local_world_size), 1)
-    if need + reserve_bytes > available:
-        raise ConfigError(
-            f"{what}: the {local_world_size} rank(s) on this node need {need / GiB:.1f} GiB of host memory "
-            f"({float(needed_bytes_per_rank) / GiB:.1f} GiB each) + {reserve_bytes / GiB:.1f} GiB kept free, but "
-            f"{available / GiB:.1f} GiB is available (MemAvailable / the cgroup's memory limit): spread the run over "
-            f"more nodes (each rank holds 1/N of the state), train fewer parameters (LoRA), raise the "
-            f"container's memory limit, or turn {what.split('=')[0]} off (python -m ddptrain.memory shows each figure)")
-    return available
-
-
 def _config_from(path: str, overrides: Sequence[str]):
     """A training YAML's library sections (a recipe's own sections are left out) + overrides."""
     import dataclasses
@@ -651,7 +541,6 @@ def _config_from(path: str, overrides: Sequence[str]):
 
     from omegaconf import OmegaConf
 
-    from ddptrain.config import Config, ConfigError, load_config
 
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
@@ -720,7 +609,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     trainable = preset["trainable"] if preset and args.trainable is None else args.trainable
     activations = None if args.activations_gb is None else args.activations_gb * GiB
 
-    from ddptrain.config import Config, ConfigError
 
     if args.config:
         try:

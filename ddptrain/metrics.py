@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ddptrain import dist
+
 
 def edit_distance(ref: Sequence, hyp: Sequence) -> int:
     """Levenshtein distance (substitutions + deletions + insertions), O(len(ref) * len(hyp))."""
@@ -43,7 +45,6 @@ def char_errors(refs: Sequence[str], hyps: Sequence[str]) -> tuple[int, int]:
 def reduce_ratios(sums: dict, device) -> dict:
     """``{name: [numerator, denominator]}`` summed over all ranks -> ``{name: ratio}`` (NaN for a
     zero denominator). Collective; names may differ between ranks (one with no batches)."""
-    from ddptrain import dist
 
     # the same names in the same order on every rank, even one that had no batches
     names = sorted(set().union(*dist.all_gather_object(sorted(sums))))

@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.config import ConfigError
-from ddptrain.memory import check_host_memory
 from ddptrain.precision import KEEP_FP32
+from ddptrain.process import check_host_memory
 from ddptrain.sharded_masters import partition
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import OptimConfig, SchedulerConfig
+from ddptrain.sharded_masters import ShardedMasterState
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
 if hasattr(nn, "RMSNorm"):
@@ -113,7 +114,6 @@ def optimizer_state(optimizer, master=None):
     if is_zero(optimizer):
         return ZeroShardState(optimizer)
     if getattr(master, "sharded", False):
-        from ddptrain.sharded_masters import ShardedMasterState
 
         return ShardedMasterState(optimizer, master)
     return None

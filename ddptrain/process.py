@@ -1,5 +1,5 @@
-"""Process-level concerns of a training process: preemption signals, the CPU thread budget and
-when Python's garbage collector runs.
+"""Process-level concerns of a training process: preemption signals, the CPU thread budget, the
+host memory offload may take, and when Python's garbage collector runs.
 
 Kept out of the Trainer so the loop reads as training only. Everything here is per process; the
 collective agreement on a preemption (all ranks stop at the same step) happens in the Trainer's
@@ -18,6 +18,8 @@ import threading
 from typing import Any, Callable, Optional
 
 import torch
+
+from ddptrain.config import ConfigError
 
 
 class PreemptionFlag:
@@ -237,3 +239,110 @@ class StepPacedGC:
         """Give the process its automatic collector back (as it was before ``start``)."""
         if self.every_steps > 0 and self._was_enabled:
             gc.enable()
+
+
+# ----------------------------------------------------------------------------- host memory
+
+
+def _meminfo_available(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _stat_value(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) for line in f if line.split()[:1] == [key]), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def cgroup_memory_available(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes the process's cgroup may still take before its memory limit, or None (no limit, or
+    no cgroup file readable). cgroup v2: ``memory.max`` minus ``memory.current`` (less its
+    reclaimable ``inactive_file`` page cache) of the own cgroup (``/proc/self/cgroup``) and each
+    of its parents, or inside a container's namespace of the root, the tightest; v1:
+    ``memory/memory.limit_in_bytes`` minus ``memory.usage_in_bytes`` (less ``total_inactive_file``)."""
+    own = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
+    except OSError:
+        pass
+    parts = [p for p in own.strip("/").split("/") if p]
+    folders = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
+    found = []
+    for folder in dict.fromkeys(folders):
+        limit = _read_int(os.path.join(folder, "memory.max"))
+        if limit is not None:
+            used = (_read_int(os.path.join(folder, "memory.current")) or 0) - _stat_value(
+                os.path.join(folder, "memory.stat"), "inactive_file")
+            found.append(limit - max(used, 0))
+    if found:
+        return max(min(found), 0)
+    limit = _read_int(os.path.join(root, "memory", "memory.limit_in_bytes"))
+    if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
+        return None
+    used = (_read_int(os.path.join(root, "memory", "memory.usage_in_bytes")) or 0) - _stat_value(
+        os.path.join(root, "memory", "memory.stat"), "total_inactive_file")
+    return max(limit - max(used, 0), 0)
+
+
+def available_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Host memory this process can still take, in bytes: the machine's ``MemAvailable``, at most
+    what its cgroup's limit leaves; None when neither can be read."""
+    known = [b for b in (_meminfo_available(meminfo), cgroup_memory_available(cgroup_root)) if b is not None]
+    return min(known) if known else None
+
+
+def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what: str = "optim.offload=cpu",
+                      reserve_bytes: float = 2**30, meminfo: str = "/proc/meminfo",
+                      cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Refuse, before training, a run whose ranks on this node need more host memory than is free.
+
+    Every rank of the node calls it with its own need before any of them allocates (each then
+    sees the same free memory, and the check counts all ``local_world_size`` shares).
+
+    Args:
+        needed_bytes_per_rank: host bytes one rank will allocate (the estimator's
+            ``host_total``; ``OffloadedMasters.host_bytes()``).
+        local_world_size: ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``).
+        what: the switch that needs the memory, for the message.
+        reserve_bytes: kept free for the rest of the process (the Python heap, loader workers).
+        meminfo, cgroup_root: where to read (tests pass fakes).
+
+    Returns:
+        The available bytes it compared against, or None when nothing could be read (no check).
+
+    Raises:
+        ConfigError: the need (all local ranks, plus the reserve) exceeds what is available; the
+            message has the numbers and what to change.
+    """
+
+    available = available_host_memory(meminfo, cgroup_root)
+    if available is None:
+        return None
+    need = float(needed_bytes_per_rank) * max(int(local_world_size), 1)
+    if need + reserve_bytes > available:
+        raise ConfigError(
+            f"{what}: the {local_world_size} rank(s) on this node need {need / 2**30:.1f} GiB of host memory "
+            f"({float(needed_bytes_per_rank) / 2**30:.1f} GiB each) + {reserve_bytes / 2**30:.1f} GiB kept free, but "
+            f"{available / 2**30:.1f} GiB is available (MemAvailable / the cgroup's memory limit): spread the run over "
+            f"more nodes (each rank holds 1/N of the state), train fewer parameters (LoRA), raise the "
+            f"container's memory limit, or turn {what.split('=')[0]} off (python -m ddptrain.memory shows each figure)")
+    return available

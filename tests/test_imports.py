@@ -24,19 +24,7 @@ PACKAGE = ROOT / "ddptrain"
 # Function-level imports between ddptrain modules still allowed, as (importer, imported). Each
 # must still exist (a stale entry fails, so the list only shrinks), and the cycle check below
 # counts them as top-level edges: none of them may hide a cycle.
-ALLOWED_LAZY = {
-    # Not for optional dependencies (those are outside ddptrain and not checked here): modules
-    # owned by others, whose owners move these to the top; each is acyclic as a top-level import.
-    ("ddptrain.data.features", "ddptrain.data.audio"),  # compute_global_stats
-    ("ddptrain.data.features", "ddptrain.data.manifest"),  # main (python -m ddptrain.data.features)
-    ("ddptrain.data.shards", "ddptrain.data.sampler"),  # shard_problems: padded_cost
-    ("ddptrain.data.tokenizer", "ddptrain.data.manifest"),  # CharTokenizer.build from manifest paths
-    ("ddptrain.memory", "ddptrain.config"),  # estimate / table / main
-    ("ddptrain.memory", "ddptrain.optim"),  # estimate: param_groups
-    ("ddptrain.memory", "ddptrain.sharded_masters"),  # estimate: partition
-    ("ddptrain.metrics", "ddptrain.dist"),  # reduce_ratios
-    ("ddptrain.optim", "ddptrain.sharded_masters"),  # optimizer_state: ShardedMasterState
-}
+ALLOWED_LAZY: set[tuple[str, str]] = set()  # function-level imports between ddptrain modules: none
 
 
 def _modules() -> dict[str, pathlib.Path]:

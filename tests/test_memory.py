@@ -246,8 +246,7 @@ def test_sharded_masters_estimate_against_real_tensors(tmp_path):
 
 # ----------------------------------------------------------------------------- the memory tiers (issue 28)
 
-from ddptrain.config import ConfigError  # noqa: E402
-from ddptrain.memory import (PRESETS, cards_table, check_host_memory, estimate_model_state as _est,  # noqa: E402
+from ddptrain.memory import (PRESETS, cards_table, estimate_model_state as _est,  # noqa: E402
                              measure_activations, stream_blocks)
 
 _BF = ("trainer.precision=bf16", "trainer.param_dtype=bf16")
@@ -471,43 +470,3 @@ def test_measure_activations_on_cuda():
     assert got["activations"] >= 2048 * 1024 * 4 + 2 * 2048 * 4096 * 2 + 2048 * 1024 * 4
     assert got["peak"] == got["at_rest"] + got["activations"]
     assert all(p.grad is None for p in model.parameters())
-
-
-def _meminfo(tmp_path, gib):
-    path = tmp_path / "meminfo"
-    path.write_text(f"MemTotal:       999999999 kB\nMemFree:          1000 kB\nMemAvailable:   {gib * 2**20} kB\n")
-    return str(path)
-
-
-def _cgroup_files(root, files):
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    return str(root)
-
-
-@pytest.mark.parametrize("files, available_gib", [
-    ({}, 10),                                                           # no cgroup: MemAvailable
-    ({"memory.max": "max\n", "memory.current": "0\n"}, 10),            # v2, no limit
-    ({"memory.max": f"{8 * 2**30}\n", "memory.current": f"{3 * 2**30}\n",
-      "memory.stat": f"anon 1\ninactive_file {2**30}\n"}, 6),         # v2: 8 - (3 - 1 reclaimable)
-    ({"memory/memory.limit_in_bytes": f"{4 * 2**30}\n", "memory/memory.usage_in_bytes": f"{2**30}\n"}, 3),  # v1
-    ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, 10),   # v1, no limit
-])
-def test_check_host_memory_reads_meminfo_and_cgroup(tmp_path, files, available_gib):
-    meminfo, root = _meminfo(tmp_path, 10), _cgroup_files(tmp_path / "cg", files)
-    (tmp_path / "cg").mkdir(exist_ok=True)
-    half = (available_gib - 1) / 2 * 2**30  # two ranks' shares + the 1 GiB reserve: exactly what is there
-    assert check_host_memory(half, 2, meminfo=meminfo, cgroup_root=root) == available_gib * 2**30
-    with pytest.raises(ConfigError) as e:
-        check_host_memory(half + 2**20, 2, meminfo=meminfo, cgroup_root=root)
-    msg = str(e.value)
-    assert "optim.offload=cpu" in msg and f"{available_gib:.1f} GiB is available" in msg and "2 rank(s)" in msg
-    assert "more nodes" in msg  # what to change
-
-
-def test_check_host_memory_without_anything_to_read(tmp_path):
-    assert check_host_memory(1e15, 8, meminfo=str(tmp_path / "none"), cgroup_root=str(tmp_path)) is None
-    with pytest.raises(ConfigError, match="lora.base_offload=cpu"):
-        check_host_memory(2 * 2**30, 1, what="lora.base_offload=cpu", meminfo=_meminfo(tmp_path, 2),
-                          cgroup_root=str(tmp_path))

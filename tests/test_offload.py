@@ -151,9 +151,9 @@ def test_offload_needs_bf16_params(tmp_path):
 
 
 def test_offload_refuses_a_host_without_the_memory_before_allocating(tmp_path, monkeypatch):
-    import ddptrain.memory as memory
+    import ddptrain.process as process
 
-    monkeypatch.setattr(memory, "available_host_memory", lambda *a, **k: 1024)  # 1 KiB free
+    monkeypatch.setattr(process, "available_host_memory", lambda *a, **k: 1024)  # 1 KiB free
     torch.manual_seed(0)
     cfg = make_cfg(tmp_path / "run", "trainer.max_steps=1", *BF16, *SMALL_CHUNKS)
     with pytest.raises(ConfigError, match="optim.offload=cpu"):

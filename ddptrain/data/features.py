@@ -39,7 +39,9 @@ import torchaudio
 from torch import Tensor, nn
 
 from ddptrain.config import check_section
+from ddptrain.data.audio import load_audio
 from ddptrain.data.config import DataConfig
+from ddptrain.data.manifest import load_manifest
 
 FEATURE_KINDS = ("fbank", "logmel", "whisper_logmel")
 WHISPER_WINDOW_S = 30  # Whisper encoders take 30 s windows: 3000 frames of 10 ms
@@ -294,7 +296,6 @@ def compute_global_stats(entries: Sequence, cfg: DataConfig, max_utterances: int
     """
     from dataclasses import replace
 
-    from ddptrain.data.audio import load_audio
 
     ext = BatchFeatureExtractor(replace(cfg, normalize="none", spec_augment=False, pad_to_multiple=1)).eval()
     if max_utterances and len(entries) > max_utterances:
@@ -328,7 +329,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--num-mel-bins", type=int, default=80)
     p.add_argument("--max-utterances", type=int, default=2000, help="0 = all")
     a = p.parse_args(argv)
-    from ddptrain.data.manifest import load_manifest
 
     cfg = DataConfig(features=a.features, sample_rate=a.sample_rate, num_mel_bins=a.num_mel_bins)
     stats = compute_global_stats(load_manifest(a.manifest), cfg, a.max_utterances)

@@ -61,6 +61,7 @@ from ddptrain.data.config import DataConfig
 from ddptrain.data.dataset import PackedStrings, SpeechDataset
 from ddptrain.data.errors import DataError, Problem
 from ddptrain.data.manifest import load_manifest
+from ddptrain.data.sampler import padded_cost
 
 log = logging.getLogger(__name__)
 
@@ -686,7 +687,6 @@ def shard_problems(shards: ShardSet, cfg: DataConfig) -> tuple[list[Problem], np
     Returns:
         ``(problems, bad)``: one problem per failed check, and a mask of the utterances with any.
     """
-    from ddptrain.data.sampler import padded_cost
 
     speeds = [float(s) for s in cfg.speed_perturb] or [1.0]
     slow, fast = min(speeds), max(speeds)

@@ -21,6 +21,7 @@ import unicodedata
 from typing import Iterable, Optional, Sequence, Union
 
 from ddptrain.data.errors import DataError
+from ddptrain.data.manifest import parse_manifest, split_paths
 
 BLANK = "<blank>"
 SPACE = "<space>"  # how " " is written in the .txt format
@@ -63,7 +64,6 @@ class CharTokenizer:
             unk_token: add this token (id 1) and map unknown characters to it.
         """
         if isinstance(texts_or_manifest, (str, os.PathLike)):
-            from ddptrain.data.manifest import parse_manifest, split_paths
 
             # bad lines are the validator's business (and may be skipped); the texts are what count here
             texts: Iterable = (e.text for p in split_paths(texts_or_manifest) for e in parse_manifest(p)[0])
