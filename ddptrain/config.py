@@ -413,7 +413,6 @@ RULES: dict[str, Rule] = {
     "data.max_batch_size": at_least(0),
     "data.quadratic_duration": at_least(0),
     "data.num_buckets": at_least(1),
-    "data.bucket_budgets": ANY,  # the sampler checks the file against the data set, naming the file
     "data.bucket_sort_pool": at_least(0),
     "data.sync_buckets": ANY,
     "data.shuffle": ANY,
@@ -627,6 +626,15 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
     return root
 
 
+# Keys that existed once, with what to set instead: a config that still sets one is refused
+# with this, not the bare "unknown key".
+REMOVED_KEYS = {
+    "data.bucket_budgets": "per-bucket budget files are gone (they trained no faster than the best single "
+                           "data.max_duration on the three models measured): run python -m ddptrain.tune, which "
+                           "prints that data.max_duration, and set it instead",
+}
+
+
 def load_config(
     path: Optional[str] = None,
     overrides: Sequence[str] = (),
@@ -688,6 +696,8 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
         return OmegaConf.merge(base, other)
     except (ConfigKeyError, ConfigAttributeError) as e:
         key = e.full_key or getattr(e, "key", None) or key
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"{origin}: '{key}' is no longer a config key: {REMOVED_KEYS[key]}") from None
         raise ConfigError(f"{origin}: unknown config key '{key}' (check the spelling against "
                           f"the dataclasses in ddptrain/config.py)") from None
     except ValidationError as e:

@@ -6,21 +6,17 @@ longest utterance and most tokens) or of every bucket (``all``) once, with learn
 optimizer state and BatchNorm statistics restored and the RNG forked, so training afterwards is
 the same as without it. An out-of-memory error is raised then, naming the bucket.
 
-What is here and not in tune.py: everything the Trainer runs itself (:func:`before_fit`: the
-budget file's settings, then :func:`preflight`; during training :class:`BudgetWatch`, the
-file's memory target against the run's peak), and the pieces both use -- :func:`train_once`
-(one real step through the Trainer's parts), the sampler's buckets as :class:`Bucket`, memory
-measurement. tune.py (the budget search, ``python -m ddptrain.tune``) builds a Trainer, so the
-Trainer cannot import it: ``trainer -> preflight <- tune -> trainer``.
+What is here and not in tune.py: what the Trainer runs itself (:func:`before_fit`, then
+:func:`preflight`), and the pieces both use -- :func:`train_once` (one real step through the
+Trainer's parts), the sampler's buckets as :class:`Bucket`, memory measurement. tune.py (the
+search for the largest ``data.max_duration``, ``python -m ddptrain.tune``) builds a Trainer, so
+the Trainer cannot import it: ``trainer -> preflight <- tune -> trainer``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import math
-import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -36,12 +32,6 @@ from ddptrain.optim import is_zero
 from ddptrain.steps import stateful_sampler
 
 GB = 1e9
-# The config keys that change the memory of a step; a budget file records them and the Trainer
-# refuses a file measured under other values.
-MEMORY_KEYS = ("trainer.precision", "trainer.param_dtype", "recompute.enabled", "recompute.module_classes",
-               "recompute.name_globs", "recompute.every_k", "recompute.offload", "compile.enabled",
-               "compile.module_classes", "compile.name_globs", "compile.mode", "optim.name", "data.features",
-               "data.feature_device", "data.num_mel_bins", "data.pad_to_multiple")
 
 
 class PreflightError(RuntimeError):
@@ -234,115 +224,18 @@ def bucket_sampler(data):
     return sampler
 
 
-def memory_settings(config, module: torch.nn.Module) -> dict:
-    """What a budget file records of the set-up it was measured under (see ``MEMORY_KEYS``)."""
-    out = {}
-    for key in MEMORY_KEYS:
-        section, leaf = key.split(".")
-        value = getattr(getattr(config, section), leaf)
-        out[key] = list(value) if isinstance(value, (list, tuple)) else value
-    out["num_parameters"] = sum(p.numel() for p in module.parameters())
-    out["num_trainable"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return out
-
-
 # ----------------------------------------------------------------------------- the Trainer's checks
 
 
-def before_fit(trainer) -> "BudgetWatch":
-    """The Trainer's checks before its first step (called at the start of ``fit``).
-
-    The budget file the training sampler uses (``data.bucket_budgets``) is the one configured
-    and was measured under this run's memory settings; then ``trainer.preflight``.
-
-    Returns:
-        The watch on the budget file's memory target that the Trainer asks at each logged step.
+def before_fit(trainer) -> None:
+    """The Trainer's checks before its first step (called at the start of ``fit``):
+    ``trainer.preflight``.
 
     Raises:
-        ConfigError: ``data.bucket_budgets`` set but not used by the training sampler (a recipe
-            that builds its own sampler must pass it on), or measured under other settings.
         PreflightError: a bucket's costliest batch ran out of memory (see :func:`preflight`).
     """
-    cfg = trainer.cfg
-    want = getattr(getattr(cfg, "data", None), "bucket_budgets", "")
-    path = getattr(stateful_sampler(trainer.train_data), "bucket_budgets", None)
-    if want and (not path or os.path.abspath(path) != os.path.abspath(want)):
-        raise ConfigError(f"data.bucket_budgets={want!r}, but the training sampler uses {path!r}: a recipe that "
-                          "builds its own DurationBucketSampler must pass bucket_budgets=cfg.data.bucket_budgets")
-    if path:
-        check_budget_settings(path, cfg, trainer.module)
-    if cfg.trainer.preflight != "none":
-        preflight(trainer, cfg.trainer.preflight)
-    meter, target = device_meter(trainer.device) if path else None, None
-    if meter:
-        with open(path) as f:
-            target = json.load(f).get("memory_target_gb")
-    return BudgetWatch(path, target, meter, trainer.logger.print, trainer.info)
-
-
-class BudgetWatch:
-    """Training's peak memory against the target its budget file was measured for.
-
-    The tuner measures each bucket's costliest batch in a step of its own; a run can hold more
-    than that (cuDNN's workspaces for shapes it has not seen, tensors alive across steps,
-    evaluation, a model path the tuner's batch did not take; BENCHMARKS.md has a measured case).
-    A user should learn that from a warning at the first logged step over the target, not from
-    an out-of-memory error hours in. Off (no scalars, no collective) without a budget file,
-    without a ``memory_target_gb`` in it (a file written by hand), or without a ``meter`` (off
-    CUDA).
-
-    Args:
-        path: the budget file (``data.bucket_budgets``), named in the warning.
-        target_gb: its ``memory_target_gb``.
-        meter: the device's memory measurement (``reset`` / ``peak`` in bytes); its peak is reset
-            here, so training's peak is what counts, not the pre-flight check's.
-        say: where the warning goes (the Trainer's logger: rank 0 prints it).
-        info: the process's ``DistInfo`` (rank, world size, device).
-    """
-
-    def __init__(self, path: Optional[str], target_gb: Optional[float], meter, say: Callable[[str], None], info):
-        self.on = bool(path and target_gb and meter)
-        self.path, self.target_gb, self.meter, self.say, self.info = path, target_gb, meter, say, info
-        self.warned = False
-        if self.on:
-            meter.reset()
-
-    def scalars(self, step: int) -> dict:
-        """``budget_overshoot_gb`` for step ``step``'s log: how far the highest peak of all ranks
-        is over the target (0 under it); the first time it is over, one warning naming the rank.
-
-        Collective while on: every rank calls it at the same (the logged) steps, since ranks
-        differ (their shards hold other lengths) and rank 0 alone speaks.
-        """
-        if not self.on:
-            return {}
-        peaks = [0.0] * self.info.world_size
-        peaks[self.info.rank] = self.meter.peak() / GB
-        peaks = dist.all_reduce_sum(peaks, self.info.device)
-        rank = max(range(len(peaks)), key=lambda r: peaks[r])
-        over = peaks[rank] - self.target_gb
-        if over > 0 and not self.warned:
-            self.warned = True
-            where = f" on rank {rank}" if len(peaks) > 1 else ""
-            self.say(f"WARNING: step {step}: peak memory {peaks[rank]:.2f} GB{where} is {over:.2f} GB over the "
-                     f"{self.target_gb:g} GB target that {self.path} (data.bucket_budgets) was tuned for. Training holds "
-                     f"more than the tuner's single steps did, and a longer run may run out of memory: re-run "
-                     f"python -m ddptrain.tune with a lower target, e.g. --memory-gb "
-                     f"{math.floor(10 * (self.target_gb - over)) / 10:g} (the target minus this overshoot), and train "
-                     f"with the new file. (Said once; budget_overshoot_gb in the logged metrics follows it.)")
-        return {"budget_overshoot_gb": max(over, 0.0)}
-
-
-def check_budget_settings(path: str, config, module: torch.nn.Module) -> None:
-    """Raises ConfigError if budget file ``path`` was measured under other memory settings or
-    another model size than ``config`` and ``module`` (a file without settings is trusted)."""
-    with open(path) as f:
-        saved = json.load(f).get("settings") or {}
-    now = memory_settings(config, module)
-    diff = [f"{k}: measured {saved[k]!r}, now {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
-    if diff:
-        raise ConfigError(f"{path} (data.bucket_budgets) was measured under another set-up, so its batch sizes "
-                          f"may not fit: {'; '.join(diff)}. Re-run python -m ddptrain.tune with this config")
+    if trainer.cfg.trainer.preflight != "none":
+        preflight(trainer, trainer.cfg.trainer.preflight)
 
 
 def _worst_buckets(sampler) -> list[int]:
@@ -405,8 +298,8 @@ def preflight(trainer, mode: str = "worst") -> list[dict]:
                     memory = f" (peak {peak:.1f} GB of {meter.capacity() / GB:.1f} GB)" if meter else ""
                     raise PreflightError(
                         f"pre-flight check: the costliest batch of {b.describe(size)} does not fit{memory}: {failed}. "
-                        f"Lower data.max_duration (or this bucket's batch_size in data.bucket_budgets), turn on "
-                        f"recompute, or measure per-bucket budgets: python -m ddptrain.tune")
+                        f"Lower data.max_duration, turn on recompute, or measure the largest data.max_duration "
+                        f"that fits: python -m ddptrain.tune")
                 results.append({"bucket": k, "batch_size": size, "peak_gb": None if peak is None else round(peak, 3)})
                 trainer.logger.print(f"pre-flight: {b.describe(size)} fits" + (
                     f": peak {peak:.1f} GB of {meter.capacity() / GB:.1f} GB" if meter else ""))

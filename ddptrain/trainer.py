@@ -171,7 +171,6 @@ class Trainer:
         self.progress.schedule_steps = self.total_steps
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.total_steps)
         self.preemption = PreemptionFlag(t.preempt_signals)
-        self.budget_watch = preflight.BudgetWatch(None, None, None, print, self.info)  # fit() arms it
         self.gc = StepPacedGC(t.gc_every_steps)  # collector pauses at the same steps on all ranks
         self.stream = StepStream(self.train_data, self.progress, self.rng, t, self.gc.full)
 
@@ -189,8 +188,7 @@ class Trainer:
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
         try:
-            # the budget file in use fits this set-up; trainer.preflight: an OOM now, not in hours
-            self.budget_watch = preflight.before_fit(self)  # then its memory target is watched at each log
+            preflight.before_fit(self)  # trainer.preflight: an OOM now, not in hours
             if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
@@ -424,5 +422,4 @@ class Trainer:
         self.logger.step_done(p.step, out["loss_sum"], out["units"], self.stream.wait_s, p.step == self.total_steps,
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
-                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device),
-                                       **self.budget_watch.scalars(p.step)})  # collective while a budget file is watched
+                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)})

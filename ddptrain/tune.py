@@ -1,25 +1,28 @@
-"""Per-bucket batch budgets measured on the GPU, and the Trainer's pre-flight check.
+"""The largest ``data.max_duration`` that fits on the GPU, measured by one real step per bucket.
 
-Why: one ``data.max_duration`` for every bucket is set by trial and error, and it is wrong both
-ways at once: the longest utterances run out of memory hours into a run while the short buckets
-leave the GPU half empty (attention grows with length squared; NeMo's OOMptimizer found 5x larger
-batches on Canary-1B this way). The tuner runs, for each bucket of the training sampler, the
-costliest batch that bucket can produce (:meth:`DurationBucketSampler.pessimistic_batch`:
-B rows of its longest input and, with a second length, its longest target, padded as training's
-batches are, so a model takes its masked path as it does in training) through one real
-training step: the Trainer's own model set-up (device, recompute, compile, bf16 masters), loss,
-backward, clipping and optimizer step, at the config's precision. It searches the largest B
-whose peak memory (``torch.cuda.max_memory_allocated``) stays under a target and writes a budget
-file that ``data.bucket_budgets`` hands to the sampler::
+Why: ``data.max_duration`` set by trial and error is wrong both ways at once: too high, the
+longest utterances run out of memory hours into a run; too low, the GPU is half empty. The
+tuner runs, for each bucket of the training sampler, the costliest batch that bucket can produce
+(:meth:`DurationBucketSampler.pessimistic_batch`: B rows of its longest input and, with a second
+length, its longest target, padded as training's batches are, so a model takes its masked path
+as it does in training) through one real training step: the Trainer's own model set-up (device,
+recompute, compile, bf16 masters), loss, backward, clipping and optimizer step, at the config's
+precision. It searches the largest B per bucket whose peak memory
+(``torch.cuda.max_memory_allocated``) stays under a target, and prints the largest single
+``data.max_duration`` under which every bucket's batch stays at or below its measured size
+(about a minute on one H200 for wav2vec2-large, the Conformer and GLM-ASR)::
 
-    python -m ddptrain.tune --recipe examples/finetune_asr.py --config configs/asr_gpu.yaml \\
-        --out runs/asr/budgets.json                     # memory target: 90% of the GPU
-    python examples/finetune_asr.py --config configs/asr_gpu.yaml data.bucket_budgets=runs/asr/budgets.json
+    python -m ddptrain.tune --recipe examples/finetune_asr.py --config configs/asr_gpu.yaml
+        # memory target: 90% of the GPU; prints e.g. "train with: data.max_duration=412.3"
+    python examples/finetune_asr.py --config configs/asr_gpu.yaml data.max_duration=412.3
+
+(Per-bucket batch sizes written to a file trained no faster than that one number on the three
+models measured, within 2%: their memory is close to linear in padded seconds.)
 
 The recipe contract (``--recipe FILE.py``): the file defines one :class:`ddptrain.Config`
 subclass (its schema) and ``build(cfg)`` (or ``build(cfg, info)``, ``info`` from
 ``ddptrain.setup_distributed``) returning ``(model, loss_fn, train_loader, ...)``: the pieces its
-``main`` trains with. From Python: :func:`find_bucket_budgets`.
+``main`` trains with. From Python: :func:`find_max_duration`.
 
 The search, per bucket from the longest to the shortest: start from the previous bucket's size
 (a shorter bucket fits at least as many rows), grow by linear extrapolation of the measured peak
@@ -33,7 +36,7 @@ the weights do not move.
 
 What a single-process measurement leaves out: NCCL's buffers (outside PyTorch's allocator) and
 fragmentation over a long run; keep the target below the GPU's size (the 90% default). ZeRO and
-sharded masters only lower the per-rank memory of an N-GPU run, so budgets found on one GPU hold.
+sharded masters only lower the per-rank memory of an N-GPU run, so a budget found on one GPU holds.
 
 The pre-flight check (``trainer.preflight``) and the pieces the tuner shares with it (one
 training step at learning rate 0, the sampler's buckets, memory measurement) are in
@@ -58,16 +61,15 @@ import torch
 
 from ddptrain import dist
 from ddptrain.config import Config, ConfigError, load_config
-from ddptrain.data.sampler import padded_cost, write_bucket_budgets
-from ddptrain.preflight import (GB, MEMORY_KEYS, Bucket, CudaMemory, PreflightError, before_fit, bucket_sampler,
-                                check_budget_settings, device_meter, is_oom, loader_batches, lr_zero, memory_settings,
-                                preflight, release, sampler_buckets, train_once)
+from ddptrain.data.sampler import padded_cost
+from ddptrain.preflight import (GB, Bucket, CudaMemory, PreflightError, before_fit, bucket_sampler, device_meter,
+                                is_oom, loader_batches, lr_zero, preflight, release, sampler_buckets, train_once)
 from ddptrain.trainer import Trainer
 
 # the tuner's own names, and the pre-flight check's (importable from here as before preflight.py)
-__all__ = ["TuneError", "search_batch_sizes", "default_meter", "find_bucket_budgets", "load_recipe", "main",
-           "GB", "MEMORY_KEYS", "Bucket", "CudaMemory", "PreflightError", "before_fit", "check_budget_settings",
-           "is_oom", "loader_batches", "memory_settings", "preflight", "sampler_buckets", "train_once"]
+__all__ = ["TuneError", "search_batch_sizes", "default_meter", "find_max_duration", "single_max_duration",
+           "load_recipe", "main", "GB", "Bucket", "CudaMemory", "PreflightError", "before_fit", "is_oom",
+           "loader_batches", "preflight", "sampler_buckets", "train_once"]
 
 
 class TuneError(RuntimeError):
@@ -158,10 +160,11 @@ def _tuning_config(config, folder: str):
     return cfg
 
 
-def find_bucket_budgets(model: torch.nn.Module, loss_fn, config, loader_or_sampler, memory_target_gb: Optional[float],
-                        out: Optional[str] = None, tolerance: float = 0.02, make_batch=None, meter=None,
-                        say: Callable[[str], None] = print) -> dict:
-    """Measure the largest batch per bucket that stays under ``memory_target_gb``; write the file.
+def find_max_duration(model: torch.nn.Module, loss_fn, config, loader_or_sampler, memory_target_gb: Optional[float],
+                      tolerance: float = 0.02, make_batch=None, meter=None,
+                      say: Callable[[str], None] = print) -> dict:
+    """Measure the largest batch per bucket that stays under ``memory_target_gb``, and from
+    those the largest single ``data.max_duration`` (:func:`single_max_duration`).
 
     Args:
         model: the model as the recipe builds it; prepared in place the way the Trainer does
@@ -172,7 +175,6 @@ def find_bucket_budgets(model: torch.nn.Module, loss_fn, config, loader_or_sampl
         loader_or_sampler: the training DataLoader (its batch_sampler a DurationBucketSampler),
             or the sampler itself together with ``make_batch``.
         memory_target_gb: the most a step may peak at, in GB (1e9 bytes); None: 90% of the device.
-        out: the budget file to write (None: only return it).
         tolerance: stop a bucket's search within this fraction of the largest fitting size.
         make_batch: ``dataset indices -> batch``; default :func:`loader_batches` of the loader.
         meter: memory measurement with ``reset/peak/current/capacity/name`` (default
@@ -180,7 +182,10 @@ def find_bucket_budgets(model: torch.nn.Module, loss_fn, config, loader_or_sampl
         say: progress lines.
 
     Returns:
-        The budget file's content (see ``write_bucket_budgets``).
+        ``max_duration`` (the number to train with), how it was measured (``memory_target_gb``,
+        ``device``, ``capacity_gb``, ``base_gb``, ``tolerance``, ``tuning_s``) and ``buckets``:
+        per bucket ``bucket``, ``shortest_s``, ``longest_s``, ``batch_size`` (the largest that
+        fitted), ``padded_s``, ``peak_gb``, ``capped``, ``tries`` (see :func:`search_batch_sizes`).
 
     Raises:
         ConfigError: no DurationBucketSampler, no CUDA device and no ``meter``, or a process group
@@ -215,17 +220,17 @@ def find_bucket_budgets(model: torch.nn.Module, loss_fn, config, loader_or_sampl
             say(f"tuning {len(buckets)} buckets on {meter.name()}: target {memory_target_gb:.3g} GB of "
                 f"{meter.capacity() / GB:.3g}; {base / GB:.3g} GB at rest (weights, optimizer state)")
             found = search_batch_sizes(buckets, try_batch, memory_target_gb * GB, base, tolerance, say)
-        settings = memory_settings(config, trainer.module)
     found.sort(key=lambda r: r["bucket"])
-    q = sampler.quadratic_duration
-    info = [{"peak_gb": r["peak_gb"], "capped": r["capped"], "tries": r["tries"],
-             "budget": round(r["batch_size"] * float(padded_cost(b.longest, q)), 3)}
-            for r, b in zip(found, sampler_buckets(sampler))]
-    doc = dict(memory_target_gb=memory_target_gb, device=meter.name(), capacity_gb=round(meter.capacity() / GB, 2),
-               base_gb=round(base / GB, 3), tolerance=tolerance, tuning_s=round(time.perf_counter() - start, 1),
-               single_max_duration=single_max_duration(sampler, found), settings=settings,
-               date=time.strftime("%Y-%m-%d"))
-    return write_bucket_budgets(out, sampler, [r["batch_size"] for r in found], info, **doc)
+    single = single_max_duration(sampler, found)
+    if single is None:  # every bucket reached its cap: the budget that gives each its cap
+        q = sampler.quadratic_duration
+        single = max(r["batch_size"] * float(padded_cost(b.longest, q)) for r, b in zip(found, sampler_buckets(sampler)))
+    rows = [{"bucket": b.index, "shortest_s": round(b.shortest, 4), "longest_s": round(b.longest, 4),
+             "batch_size": r["batch_size"], "padded_s": round(r["batch_size"] * b.longest, 3), "peak_gb": r["peak_gb"],
+             "capped": r["capped"], "tries": r["tries"]} for r, b in zip(found, sampler_buckets(sampler))]
+    return dict(max_duration=single, memory_target_gb=memory_target_gb, device=meter.name(),
+                capacity_gb=round(meter.capacity() / GB, 2), base_gb=round(base / GB, 3), tolerance=tolerance,
+                tuning_s=round(time.perf_counter() - start, 1), buckets=rows)
 
 
 def single_max_duration(sampler, found: Sequence[dict]) -> Optional[float]:
@@ -235,22 +240,13 @@ def single_max_duration(sampler, found: Sequence[dict]) -> Optional[float]:
     over b of (B_b + 1) x cost_b, minus a hair. Buckets whose search stopped at a cap (their
     utterance count, ``data.max_batch_size``) do not bind; None if every bucket did.
 
-    Where memory grows linearly with padded seconds, M* is as good as the per-bucket budgets
-    (every bucket's limit is the same padded seconds); the per-bucket file pays where it is not.
+    Where memory grows linearly with padded seconds, M* is as good as per-bucket batch sizes
+    (every bucket's limit is the same padded seconds).
     """
     q = sampler.quadratic_duration
     bounds = [(r["batch_size"] + 1) * float(padded_cost(b.longest, q))
               for r, b in zip(found, sampler_buckets(sampler)) if not r["capped"]]
     return math.nextafter(min(bounds), 0.0) if bounds else None
-
-
-def single_budget_gain(loader_or_sampler, doc: dict) -> float:
-    """The most rows per batch the budget file gives a bucket, over what
-    ``single_max_duration`` would give it (>= 1: the single budget fits under every bucket)."""
-    sampler = bucket_sampler(loader_or_sampler)
-    q, single = sampler.quadratic_duration, doc["single_max_duration"]
-    return max(r["batch_size"] / max(1, min(b.cap, math.floor(single / float(padded_cost(b.longest, q)))))
-               for r, b in zip(doc["buckets"], sampler_buckets(sampler)))
 
 
 # ----------------------------------------------------------------------------- command line
@@ -291,7 +287,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True, help="recipe file with build(cfg) (see above)")
     parser.add_argument("--config", help="the training YAML config; key=value overrides follow")
-    parser.add_argument("--out", required=True, help="budget file to write (then train with data.bucket_budgets=OUT)")
     parser.add_argument("--memory-gb", type=float, default=None, help="peak memory target per step (default 90%% of the GPU)")
     parser.add_argument("--tolerance", type=float, default=0.02, help="search precision, a fraction of the batch size")
     args, overrides = parser.parse_known_args(argv)
@@ -302,18 +297,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise ConfigError("run the tuner in one process (python, not torchrun): its budgets hold per rank")
     built = build(cfg, info) if len(inspect.signature(build).parameters) >= 2 else build(cfg)
     model, loss_fn, loader = built[:3]
-    doc = find_bucket_budgets(model, loss_fn, cfg, loader, args.memory_gb, out=args.out, tolerance=args.tolerance)
+    doc = find_max_duration(model, loss_fn, cfg, loader, args.memory_gb, tolerance=args.tolerance)
     print(f"{'bucket':>6} {'seconds':>13} {'batch':>6} {'padded s':>9} {'peak GB':>8}")
     for b in doc["buckets"]:
         print(f"{b['bucket']:>6} {b['shortest_s']:>6.2f}-{b['longest_s']:<6.2f} {b['batch_size']:>6} "
               f"{b['padded_s']:>9.1f} {b['peak_gb'] if b['peak_gb'] is not None else '-':>8}")
-    print(f"wrote {args.out} in {doc['tuning_s']} s; train with data.bucket_budgets={args.out}")
-    single = doc["single_max_duration"]
-    if single is not None:  # what one budget for all buckets would be, and what the file gains over it
-        gain = single_budget_gain(loader, doc)
-        print(f"one budget for every bucket instead: data.max_duration={math.floor(single * 10) / 10}; the "
-              f"file's batches hold up to {gain:.2f}x its rows"
-              + (" (memory close to linear in padded seconds: either does)" if gain < 1.1 else ""))
+    best = math.floor(doc["max_duration"] * 10) / 10  # rounded down: still at or under every bucket's size
+    print(f"the largest data.max_duration that fits every bucket under {doc['memory_target_gb']:g} GB on "
+          f"{doc['device']}: {best} (measured in {doc['tuning_s']} s)")
+    print(f"train with: data.max_duration={best}")
     return 0
 
 

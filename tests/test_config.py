@@ -24,6 +24,18 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
         load_config(str(path))
 
 
+def test_a_removed_key_is_refused_naming_it_and_what_to_set_instead(tmp_path):
+    """data.bucket_budgets (per-bucket budget files) is gone: a config that still sets it is told
+    to use the single data.max_duration that python -m ddptrain.tune prints, not just "unknown"."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  bucket_budgets: runs/asr/budgets.json\n")
+    want = r"'data\.bucket_budgets' is no longer a config key: .*python -m ddptrain\.tune.*data\.max_duration"
+    with pytest.raises(ConfigError, match=r"c\.yaml: " + want):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"override 'data\.bucket_budgets=b\.json': " + want):
+        load_config(None, ["data.bucket_budgets=b.json"])
+
+
 @pytest.mark.parametrize("override,pattern", [
     ("optim.lrr=1", "unknown config key 'optim.lrr'"),
     ("trainer.max_steps=ten", "bad value for 'trainer.max_steps'"),

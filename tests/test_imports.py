@@ -222,5 +222,5 @@ def test_public_api_is_unchanged():
         assert hasattr(checkpoint, name), name
     for name in tune.__all__:
         assert hasattr(tune, name), name
-    for name in ("find_bucket_budgets", "main", "load_recipe", "preflight", "before_fit", "PreflightError", "is_oom"):
+    for name in ("find_max_duration", "main", "load_recipe", "preflight", "before_fit", "PreflightError", "is_oom"):
         assert name in tune.__all__, name

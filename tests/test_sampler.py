@@ -523,3 +523,46 @@ def test_a_reshard_checks_the_position_against_a_weighted_mix_plan():
     new = WeightedMixSampler(DURS, sources, [1.0, 0.2], ["a", "b"], max_duration=150, seed=1, world_size=3, rank=0)
     with pytest.raises(ValueError, match="outside epoch"):
         new.load_state_dict(state)
+
+
+PB_DURS = np.clip(np.random.default_rng(0).lognormal(np.log(12.0), 0.5, 3000), 1.0, 35.0)
+PB_TOKS = np.maximum(1, np.round(PB_DURS * np.random.default_rng(1).uniform(1.0, 5.0, PB_DURS.size)))
+
+
+def test_pessimistic_batch_is_the_longest_input_and_the_longest_target_of_the_bucket():
+    DURS, TOKS, KW = PB_DURS, PB_TOKS, dict(max_duration=150, num_buckets=12, seed=4)
+    s = DurationBucketSampler(DURS, tokens=TOKS, max_duration=150, max_tokens=600, num_buckets=12)
+    for k in (0, 5, 11):
+        members = [i for i in range(DURS.size) if s.bucket_edges[k][0] <= DURS[i] <= s.bucket_edges[k][1]]
+        rows = s.pessimistic_batch(k, 5)
+        assert len(rows) == 5 and DURS[rows].max() == DURS[members].max()
+        assert TOKS[rows].max() == TOKS[members].max() == s.bucket_max_tokens[k]
+        assert len(s.pessimistic_batch(k)) == s.bucket_batch_sizes[k]
+    # without tokens: copies of the longest utterance, and one short row so the batch is padded
+    # (a batch of one length would measure the mask-free path that training never takes)
+    plain = DurationBucketSampler(DURS, **KW)
+    rows = plain.pessimistic_batch(3, 4)
+    shortest, longest = plain.bucket_edges[3]
+    assert DURS[rows[0]] == shortest < longest and all(DURS[r] == longest for r in rows[1:])
+    assert set(plain.pessimistic_batch(3, 1)) == {rows[1]}  # one row: the longest, nothing to pad
+    # one duration (30 s windows bucketed by transcript): the targets are padded instead
+    windows = DurationBucketSampler(np.full(DURS.size, 30.0), tokens=TOKS, max_duration=300, max_tokens=600,
+                                    num_buckets=4)
+    for k in range(4):
+        rows = windows.pessimistic_batch(k, 3)
+        assert TOKS[rows].max() == windows.bucket_max_tokens[k] > TOKS[rows].min()
+
+
+def test_a_state_saved_with_a_per_bucket_budget_file_is_refused_and_one_without_resumes():
+    """States saved while ``bucket_budgets`` existed carry the key: None (no file) resumes
+    exactly; a file's batch sizes meant other batches, so that state is refused by name."""
+    s = DurationBucketSampler(PB_DURS, max_duration=150, num_buckets=12, seed=4)
+    it = iter(s)
+    for _ in range(5):
+        next(it)
+    old = {**s.state_dict(), "bucket_budgets": None}
+    resumed = DurationBucketSampler(PB_DURS, max_duration=150, num_buckets=12, seed=4)
+    resumed.load_state_dict(old)
+    assert list(resumed) == list(s)[5:]
+    with pytest.raises(ValueError, match=r"bucket_budgets: saved \[3, 4\] \(a per-bucket budget file"):
+        resumed.load_state_dict({**old, "bucket_budgets": [3, 4]})

@@ -1,7 +1,8 @@
-"""ddptrain.tune on CPU: the budget search against fake memory models, the whole tuner through a
-real Trainer step on a fake device (memory grows with the largest tensor a module sees, past
+"""ddptrain.tune on CPU: the batch-size search against fake memory models, the whole tuner through
+a real Trainer step on a fake device (memory grows with the largest tensor a module sees, past
 its capacity it raises torch.cuda.OutOfMemoryError), the command line on the ASR recipe followed
-by training with the file, and the Trainer's pre-flight check (names the bucket, changes nothing).
+by training with the data.max_duration it prints, and the Trainer's pre-flight check (names the
+bucket, changes nothing).
 """
 
 from __future__ import annotations
@@ -176,17 +177,16 @@ def config(tmp_path, *extra):
 
 
 @pytest.mark.parametrize("power, per_element", [(1.0, 1.0), (1.5, 0.2)])  # linear, and superlinear: some tries OOM
-def test_find_bucket_budgets_runs_real_steps_and_writes_what_the_sampler_reads(tmp_path, power, per_element):
+def test_find_max_duration_runs_real_steps_and_its_budget_fits_every_bucket(tmp_path, power, per_element):
     torch.manual_seed(0)
     model = Tiny()
     before = [p.detach().clone() for p in model.parameters()]
     data = loader()
-    out = tmp_path / "budgets.json"
     device = FakeDevice(per_element=per_element, power=power)
     target = device.base + 60e3  # under the fake capacity
     try:
-        doc = tune.find_bucket_budgets(model, frame_loss, config(tmp_path), data, target / 1e9, out=str(out),
-                                       tolerance=0, meter=device, say=lambda line: None)
+        doc = tune.find_max_duration(model, frame_loss, config(tmp_path), data, target / 1e9,
+                                     tolerance=0, meter=device, say=lambda line: None)
     finally:
         device.close()
     s = data.batch_sampler
@@ -196,21 +196,24 @@ def test_find_bucket_budgets_runs_real_steps_and_writes_what_the_sampler_reads(t
     assert [b["batch_size"] for b in doc["buckets"]] == expect
     tries = [t[1] for b in doc["buckets"] for t in b["tries"]]
     assert "over" in tries and ("oom" in tries) == (power > 1), tries
-    assert doc["settings"]["trainer.precision"] == "fp32" and doc["device"] == "fake"
+    assert doc["device"] == "fake"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "tuning moved the weights"
-    tuned = DurationBucketSampler(DURS, max_duration=20.0, num_buckets=4, seed=1, bucket_budgets=str(out))
-    assert tuned.bucket_batch_sizes == expect != s.bucket_batch_sizes
+    assert expect != s.bucket_batch_sizes
     # the best single max_duration: no bucket over its measured size, and a hair more puts one over
-    single = doc["single_max_duration"]
+    single = doc["max_duration"]
     at = DurationBucketSampler(DURS, max_duration=single, num_buckets=4, seed=1).bucket_batch_sizes
     above = DurationBucketSampler(DURS, max_duration=math.nextafter(single, math.inf), num_buckets=4, seed=1)
     assert all(a <= e for a, e in zip(at, expect)) and any(a > e for a, e in zip(above.bucket_batch_sizes, expect))
-    # the tuned plan trains a whole epoch on the fake device without an OOM
-    loaded = loader(bucket_budgets=str(out))
-    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.max_epochs=1",
-                                                     f"data.bucket_budgets={out}"), loaded) as trainer:
-        trainer.fit()
-        assert trainer.step == len(loaded)
+    # that max_duration trains a whole epoch on the fake device without an OOM
+    loaded = loader(max_duration=single)
+    device = FakeDevice(per_element=per_element, power=power)
+    try:
+        with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.max_epochs=1",
+                                                         f"data.max_duration={single}"), loaded) as trainer:
+            trainer.fit()
+            assert trainer.step == len(loaded) and device.peak() <= target
+    finally:
+        device.close()
 
 
 class MaskedAttention(nn.Module):
@@ -251,17 +254,15 @@ def test_the_tuner_measures_padded_batches_as_training_runs_them(tmp_path):
     assert all(len({DURS[r] for r in s.pessimistic_batch(k, 3)}) == 2 for k in range(s.num_buckets))
     device = FakeDevice(capacity=1e6 + 3e6)
     target = device.base + 2e6
-    out = tmp_path / "budgets.json"
     try:
-        doc = tune.find_bucket_budgets(Attending(), attending_loss, config(tmp_path), data, target / 1e9,
-                                       out=str(out), tolerance=0, meter=device, say=lambda line: None)
+        doc = tune.find_max_duration(Attending(), attending_loss, config(tmp_path), data, target / 1e9,
+                                     tolerance=0, meter=device, say=lambda line: None)
         frames = [int(round(hi * 100)) for _, hi in s.bucket_edges]
         expect = [max(b for b in range(1, n + 1) if device.peak(b * t * t) <= target)  # the mask: B*T*T
                   for t, n in zip(frames, s.bucket_utterances)]
         assert [b["batch_size"] for b in doc["buckets"]] == expect
-        loaded = loader(bucket_budgets=str(out))
-        with ddptrain.Trainer(Attending(), attending_loss, config(tmp_path, "trainer.max_epochs=1",
-                                                                  f"data.bucket_budgets={out}"), loaded) as trainer:
+        loaded = loader(max_duration=doc["max_duration"])
+        with ddptrain.Trainer(Attending(), attending_loss, config(tmp_path, "trainer.max_epochs=1"), loaded) as trainer:
             device.reset()
             trainer.fit()
         assert trainer.step == len(loaded) and device.peak() <= target
@@ -272,15 +273,15 @@ def test_the_tuner_measures_padded_batches_as_training_runs_them(tmp_path):
 def test_the_tuner_needs_a_bucket_sampler_and_one_process(tmp_path):
     plain = torch.utils.data.DataLoader(Frames(), batch_size=4)
     with pytest.raises(ddptrain.ConfigError, match="DurationBucketSampler"):
-        tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), plain, 1.0, meter=object())
+        tune.find_max_duration(Tiny(), frame_loss, config(tmp_path), plain, 1.0, meter=object())
     with pytest.raises(ddptrain.ConfigError, match="pass make_batch"):
-        tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), loader().batch_sampler, 1.0, meter=object())
+        tune.find_max_duration(Tiny(), frame_loss, config(tmp_path), loader().batch_sampler, 1.0, meter=object())
     with pytest.raises(ddptrain.ConfigError, match="CUDA device"):
-        tune.find_bucket_budgets(Tiny(), frame_loss, config(tmp_path), loader(), 1.0)
+        tune.find_max_duration(Tiny(), frame_loss, config(tmp_path), loader(), 1.0)
 
 
 @pytest.mark.timeout(120)
-def test_command_line_on_the_asr_recipe_then_training_with_the_file(tmp_path, monkeypatch, capsys):
+def test_command_line_on_the_asr_recipe_then_training_with_the_max_duration_it_prints(tmp_path, monkeypatch, capsys):
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import finetune_asr
 
@@ -297,21 +298,22 @@ def test_command_line_on_the_asr_recipe_then_training_with_the_file(tmp_path, mo
             "model.d_model=32", "model.num_heads=2", "model.ffn_dim=64", "model.num_layers=1", "trainer.device=cpu"]
     fake = FakeDevice(base=1e6, per_element=1.0, capacity=1e6 + 3e6)
     monkeypatch.setattr(tune, "default_meter", lambda dev: fake)
-    out = tmp_path / "budgets.json"
+    docs, search = [], tune.find_max_duration
+    monkeypatch.setattr(tune, "find_max_duration", lambda *a, **kw: docs.append(search(*a, **kw)) or docs[-1])
     try:
         rc = tune.main(["--recipe", os.path.join(ROOT, "examples", "finetune_asr.py"), "--config",
-                        os.path.join(ROOT, "configs", "asr_demo.yaml"), "--out", str(out), "--memory-gb", "0.0025",
+                        os.path.join(ROOT, "configs", "asr_demo.yaml"), "--memory-gb", "0.0025",
                         "--tolerance", "0", f"trainer.output_dir={tmp_path}/tune", *args])
         printed = capsys.readouterr().out
-        assert rc == 0 and f"data.bucket_budgets={out}" in printed
-        doc = json.load(open(out))
-        assert (doc["single_max_duration"] is None) != ("one budget for every bucket instead" in printed)
+        (doc,) = docs
+        best = math.floor(doc["max_duration"] * 10) / 10
+        assert rc == 0 and f"train with: data.max_duration={best}\n" in printed
         for b in doc["buckets"]:  # the size chosen fits, one more does not (or the bucket is used up)
             assert b["peak_gb"] <= 0.0025
             assert b["capped"] or any(t[0] == b["batch_size"] + 1 and t[1] in ("oom", "over") for t in b["tries"])
-        finetune_asr.main(["--config", os.path.join(ROOT, "configs", "asr_demo.yaml"), f"data.bucket_budgets={out}",
-                           "trainer.max_steps=3", "trainer.preflight=all", f"trainer.output_dir={tmp_path}/train",
-                           *args])
+        finetune_asr.main(["--config", os.path.join(ROOT, "configs", "asr_demo.yaml"), "trainer.max_steps=3",
+                           "trainer.preflight=all", f"trainer.output_dir={tmp_path}/train", *args,
+                           f"data.max_duration={best}"])
     finally:
         fake.close()
     err = capsys.readouterr().err
@@ -423,66 +425,9 @@ def test_preflight_of_a_resumed_optimizer_leaves_its_state_alone(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(params, trainer.module.parameters()))
 
 
-def test_budget_files_the_run_does_not_use_or_was_not_measured_for_are_refused(tmp_path):
-    s = loader().batch_sampler
-    path = tmp_path / "b.json"
-    settings = tune.memory_settings(config(tmp_path, "trainer.precision=bf16"), Tiny())
-    from ddptrain.data.sampler import write_bucket_budgets
-
-    write_bucket_budgets(path, s, [3] * len(s.bucket_edges), settings=settings)
-    # the config names the file, the loader's sampler was built without it (a recipe's own sampler)
-    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, f"data.bucket_budgets={path}"), loader()) as t:
-        with pytest.raises(ddptrain.ConfigError, match="must pass bucket_budgets"):
-            t.fit()
-    with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, f"data.bucket_budgets={path}",
-                                                     "checkpoint.start_over=true"),
-                          loader(bucket_budgets=str(path))) as t:
-        with pytest.raises(ddptrain.ConfigError, match="trainer.precision: measured 'bf16', now 'fp32'"):
-            t.fit()
+def test_preflight_needs_a_bucket_sampler(tmp_path):
     plain = torch.utils.data.DataLoader(Frames(), batch_size=4, collate_fn=loader().collate_fn)
     with ddptrain.Trainer(Tiny(), frame_loss, config(tmp_path, "trainer.preflight=worst",
                                                      "checkpoint.start_over=true"), plain) as t:
         with pytest.raises(ddptrain.ConfigError, match="trainer.preflight=worst: needs a DurationBucketSampler"):
             t.fit()
-
-
-@pytest.mark.timeout(180)
-def test_the_gpu_measurement_plan_dry_runs_on_cpu(tmp_path):
-    """bench/bench_tuned.py (unrun on a GPU so far): its CPU dry run writes a hand and a tuned row."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench_tuned
-
-    out = tmp_path / "tuned.jsonl"
-    assert bench_tuned.main(["--dry", "--workloads", "conformer", "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in open(out)]
-    assert [(r["variant"], r["pass"]) for r in rows] == [("hand", 1), ("tuned", 1), ("hand", 2), ("tuned", 2)]  # in turns
-    hand, tuned = rows[-2:]  # the last pass is the one compared (the first pays per-shape costs)
-    assert (hand["variant"], hand["tuned"], hand["per_bucket"]) == ("hand", False, False)
-    assert (tuned["variant"], tuned["tuned"], tuned["per_bucket"]) == ("tuned", True, True)
-    assert tuned["plan_batch_sizes"] == tuned["bucket_batch_sizes"]
-    assert all(h <= t for h, t in zip(hand["plan_batch_sizes"], tuned["bucket_batch_sizes"]))
-    assert hand["steps"] > 0 and tuned["samples_per_s"] > 0 and hand["budget"] > 0
-    assert all(r["wall_s"] > 0 and len(r["bucket_peak_gb"]) == len(r["bucket_batch_sizes"]) for r in rows)
-    schema = {"workload", "peer", "world_size", "batch", "samples_per_s", "audio_s_per_s", "peak_alloc_gb", "mfu"}
-    assert all(schema <= set(r) for r in rows) and tuned["peer"] == "ddptrain_tuned" and tuned["batch"] > 0
-
-
-def test_the_gpu_rows_say_where_trainings_peak_happened(monkeypatch):
-    """bench_tuned's peak record: the step whose batch raised the allocator's peak to its final
-    value, that batch's bucket (from its utterance ids) and the tuner's peak for that bucket."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import bench_tuned
-
-    s = loader().batch_sampler
-    for rows in list(s)[:6]:
-        k = bench_tuned.batch_bucket({"ids": [str(i) for i in rows]}, s)
-        assert DURS[rows].max() <= s.bucket_edges[k][1] and (k == 0 or DURS[rows].max() > s.bucket_edges[k - 1][1])
-    assert bench_tuned.batch_bucket({"ids": ["a"]}, s) is None
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": 2})
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 9e9)
-    calls = [(0.0, {"n": 4}, 1e9, 0), (0.1, {"n": 2}, 5e9, 1), (0.2, {"n": 3}, 7e9, 0)]  # peak read at each call
-    doc = {"buckets": [{"peak_gb": 6.5}, {"peak_gb": 6.9}]}
-    got = bench_tuned.peak_record(calls, 7e9, doc)
-    assert (got["peak_step"], got["peak_bucket"], got["peak_batch"], got["tuner_peak_gb"]) == (2, 1, {"n": 2}, 6.9)
-    assert got["peak_alloc_gb_after_step"] == [5.0, 7.0, 7.0] and got["alloc_retries"] == 2

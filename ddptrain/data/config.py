@@ -42,7 +42,6 @@ class DataConfig:
     max_batch_size: int = 0  # cap on utterances per batch; 0 = no cap
     quadratic_duration: float = 0.0  # >0: cost = d + d^2/q, so long utterances get smaller batches
     num_buckets: int = 30  # duration buckets (equal total duration per bucket)
-    bucket_budgets: str = ""  # budget file from `python -m ddptrain.tune` (training loader): its per-bucket batch sizes replace max_duration's; "" = off
     bucket_sort_pool: int = 8  # sort shuffled utterances in pools of this many batches (less padding); 0 = off
     sync_buckets: bool = True  # the ranks' batches of one step come from one bucket (equal cost: no rank waits)
     shuffle: bool = True  # shuffle within buckets and across batches (seed + epoch)

@@ -26,23 +26,14 @@ on both lengths, one budget each. A speech-LLM on fixed 30 s windows passes dura
 to whole windows (all the same for short utterances), so its batches are grouped by decoder
 length instead.
 
-Per-bucket budgets (``bucket_budgets``, a file written by ``python -m ddptrain.tune``): one
-``max_duration`` for all buckets is a guess that either runs out of memory on the longest
-utterances or leaves the GPU half empty on the short ones. The tuner measures, for every bucket,
-the largest batch that fits in GPU memory and writes those batch sizes; with the file they
-replace the sizes ``max_duration`` and ``max_tokens`` would give (``max_batch_size`` still
-caps them). The file names the data set it was measured on (utterance count, fingerprint of
-the lengths, ``num_buckets``): a file of another data set is refused, naming the file.
-
 How a plan is made (all of it a pure function of ``(seed, epoch, durations, settings)``):
 
 1. Buckets (once): utterances sorted by duration are cut into ``num_buckets`` runs that each
    hold about the same *total* duration, so no bucket is starved of batches. Bucket ``b``'s batch
    size is ``floor(max_duration / cost(longest utterance in b))`` (capped by
-   ``max_batch_size``), where ``cost(d) = d``, or ``d + d*d/quadratic_duration``; with
-   ``bucket_budgets``, the file's size for ``b``. The padded batch ``B * cost(longest)``
-   therefore never exceeds the bucket's budget, and because sizes are fixed per bucket, the
-   number of batches is the same every epoch (exact LR schedules).
+   ``max_batch_size``), where ``cost(d) = d``, or ``d + d*d/quadratic_duration``. The padded
+   batch ``B * cost(longest)`` therefore never exceeds ``max_duration``, and because sizes are
+   fixed per bucket, the number of batches is the same every epoch (exact LR schedules).
 2. Per epoch, with ``rng = default_rng([seed, epoch])``: shuffle each bucket, sort the shuffled
    utterances by duration inside pools of ``sort_pool`` batches (neighbours in a batch are then
    close in length: about 4x less padding than packing the shuffled bucket, yet batch contents
@@ -92,11 +83,9 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import json
 import logging
 import math
-import os
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -108,7 +97,6 @@ log = logging.getLogger(__name__)
 
 TAILS = ("split", "duplicate", "drop", "exact")
 _STATE_VERSION = 1
-BUDGET_FORMAT = "ddptrain-bucket-budgets/1"  # the "format" field of a bucket budget file
 
 
 def padded_cost(durations, quadratic_duration: float):
@@ -139,14 +127,13 @@ def sampler_settings(data_cfg, train: bool = True, world_size: Optional[int] = N
     """:class:`DurationBucketSampler`'s keyword arguments for a ``data:`` section: the one
     translation of the config to batching (the library's loader, the recipes and the benchmarks
     all use it, through :meth:`DurationBucketSampler.from_config`). Training data get
-    ``data.shuffle``, ``data.tail`` and ``data.bucket_budgets``; evaluation data are not
-    shuffled, use the ``exact`` tail and no budget file (it was measured on the training data)."""
+    ``data.shuffle`` and ``data.tail``; evaluation data are not shuffled and use the ``exact``
+    tail."""
     return dict(
         max_duration=data_cfg.max_duration,
         max_batch_size=data_cfg.max_batch_size,
         quadratic_duration=data_cfg.quadratic_duration,
         num_buckets=data_cfg.num_buckets,
-        bucket_budgets=(data_cfg.bucket_budgets or None) if train else None,
         sort_pool=data_cfg.bucket_sort_pool,
         sync_buckets=data_cfg.sync_buckets,
         shuffle=data_cfg.shuffle and train,
@@ -173,9 +160,6 @@ class DurationBucketSampler(Sampler):
         max_tokens: if > 0 (needs ``tokens``), also ``batch_size * most tokens <= max_tokens``
             in every batch.
         num_buckets: duration buckets, each holding about equal total duration.
-        bucket_budgets: a budget file from ``python -m ddptrain.tune`` (see
-            :func:`write_bucket_budgets`): its per-bucket batch sizes replace the ones
-            ``max_duration`` / ``max_tokens`` give; ``max_batch_size`` still caps them.
         sort_pool: within a bucket, sort shuffled utterances by duration in pools of this many
             batches before cutting batches; 0 = pack the shuffled bucket as it is.
         sync_buckets: the ``world_size`` batches of each step come from the same bucket,
@@ -189,10 +173,8 @@ class DurationBucketSampler(Sampler):
         rank: this rank; default: ``ddptrain.dist.get_rank()`` (0 without a process group).
 
     Raises:
-        ValueError: bad settings, an empty data set, an utterance that does not fit in a
-            batch on its own (validate the manifest first: ``bad_data: skip`` drops those), or
-            a budget file that cannot be read or was measured on another data set (the message
-            names the file).
+        ValueError: bad settings, an empty data set, or an utterance that does not fit in a
+            batch on its own (validate the manifest first: ``bad_data: skip`` drops those).
     """
 
     def __init__(
@@ -204,7 +186,6 @@ class DurationBucketSampler(Sampler):
         num_buckets: int = 30,
         tokens: Optional[Sequence[float]] = None,
         max_tokens: float = 0.0,
-        bucket_budgets: Union[str, os.PathLike, None] = None,
         sort_pool: int = 8,
         sync_buckets: bool = True,
         shuffle: bool = True,
@@ -256,23 +237,18 @@ class DurationBucketSampler(Sampler):
         # identifies the data set in a checkpoint: a changed manifest cannot resume mid-epoch
         key = np.round(d, 4).tobytes() + (b"" if self.tokens is None else np.round(self.tokens, 4).tobytes())
         self._fingerprint = hashlib.blake2b(key, digest_size=8).hexdigest()
-        self.bucket_budgets = None if bucket_budgets in (None, "") else os.fspath(bucket_budgets)
-        self._budget_sizes = self._read_budgets(self.bucket_budgets) if self.bucket_budgets else None
 
         too_long = np.flatnonzero(padded_cost(d, self.quadratic_duration) > self.max_duration)
-        if too_long.size and self._budget_sizes is None:
+        if too_long.size:
             raise ValueError(
                 f"{too_long.size} utterance(s) do not fit in a batch of max_duration={self.max_duration}s on "
                 f"their own (indices {too_long[:10].tolist()}, durations {np.round(d[too_long[:10]], 2).tolist()}); "
                 f"raise max_duration or drop them (validate with bad_data=skip)")
-        if self.max_tokens > 0 and (self.tokens > self.max_tokens).any() and self._budget_sizes is None:
+        if self.max_tokens > 0 and (self.tokens > self.max_tokens).any():
             over = np.flatnonzero(self.tokens > self.max_tokens)
             raise ValueError(f"{over.size} utterance(s) have more than max_tokens={self.max_tokens} tokens on their "
                              f"own (indices {over[:10].tolist()}, tokens {self.tokens[over[:10]].tolist()})")
         self._buckets, self._bucket_batch_size = self._make_buckets()
-        if self._budget_sizes is not None and len(self._budget_sizes) != len(self._buckets):
-            raise ValueError(f"{self.bucket_budgets}: has {len(self._budget_sizes)} bucket budgets, this data set "
-                             f"makes {len(self._buckets)} buckets; re-run python -m ddptrain.tune")
 
         self.epoch = 0
         # reshards of the current epoch: (epoch, old world size, position at the reshard). The
@@ -329,13 +305,9 @@ class DurationBucketSampler(Sampler):
             if b <= a:
                 continue
             members = order[a:b]  # sorted by duration (then tokens), ties by index: deterministic
-            if self._budget_sizes is not None:
-                k = min(len(buckets), len(self._budget_sizes) - 1)  # a count mismatch is refused after
-                bs = min(self._budget_sizes[k], self.max_batch_size) if self.max_batch_size else self._budget_sizes[k]
-            else:
-                bs = self._batch_size_for(float(d[members[-1]]))
-                if self.max_tokens > 0:
-                    bs = min(bs, max(1, int(self.max_tokens // max(float(self.tokens[members].max()), 1e-9))))
+            bs = self._batch_size_for(float(d[members[-1]]))
+            if self.max_tokens > 0:
+                bs = min(bs, max(1, int(self.max_tokens // max(float(self.tokens[members].max()), 1e-9))))
             buckets.append(members)
             sizes.append(bs)
         return buckets, sizes
@@ -374,14 +346,6 @@ class DurationBucketSampler(Sampler):
         """Most tokens of an utterance in each bucket (None without ``tokens``)."""
         return None if self.tokens is None else [float(self.tokens[m].max()) for m in self._buckets]
 
-    def bucket_budget(self, bucket: int) -> float:
-        """Bucket ``bucket``'s budget in cost-seconds: ``max_duration``, or with ``bucket_budgets``
-        its batch size x cost(its longest utterance)."""
-        if self._budget_sizes is None:
-            return self.max_duration
-        longest = float(self.durations[self._buckets[bucket][-1]])
-        return self._bucket_batch_size[bucket] * float(padded_cost(longest, self.quadratic_duration))
-
     def pessimistic_batch(self, bucket: int, batch_size: Optional[int] = None) -> list[int]:
         """The costliest batch bucket ``bucket`` can hold, as dataset indices (for the tuner and
         the Trainer's pre-flight check): ``batch_size`` rows (default: the bucket's batch size)
@@ -409,38 +373,6 @@ class DurationBucketSampler(Sampler):
         if n > 1 and (unpadded(self.durations) or (self.tokens is not None and unpadded(self.tokens))):
             batch[0] = first  # the other rows keep the longest input and the most tokens
         return batch
-
-    def budget_identity(self) -> dict:
-        """What a budget file records about the data set it was measured on (and is checked
-        against when a sampler reads it)."""
-        return {"num_utterances": int(self.durations.size), "durations_fingerprint": self._fingerprint,
-                "num_buckets": self.num_buckets}
-
-    def _read_budgets(self, path: str) -> list[int]:
-        """The per-bucket batch sizes of budget file ``path``, checked against this data set."""
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"bucket budget file {path}: cannot read it: {e}") from None
-        if not isinstance(doc, dict) or doc.get("format") != BUDGET_FORMAT:
-            raise ValueError(f"bucket budget file {path}: not a budget file of format {BUDGET_FORMAT!r} "
-                             f"(write one with python -m ddptrain.tune)")
-        saved = {k: doc.get(k) for k in ("num_utterances", "durations_fingerprint", "num_buckets")}
-        now = {k: v for k, v in self.budget_identity().items() if k in saved}
-        diff = [f"{k}: file {saved[k]!r}, now {now[k]!r}" for k in now if saved[k] != now[k]]
-        if diff:
-            raise ValueError(f"bucket budget file {path} was measured on another data set or bucketing ("
-                             + "; ".join(diff) + "): another manifest, speed_perturb, tokens or num_buckets; "
-                             "re-run python -m ddptrain.tune for this set-up")
-        try:
-            sizes = [int(b["batch_size"]) for b in doc["buckets"]]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"bucket budget file {path}: 'buckets' must be a list of objects with a "
-                             f"'batch_size'") from None
-        if not sizes or min(sizes) < 1:
-            raise ValueError(f"bucket budget file {path}: every bucket needs a batch_size >= 1, got {sizes}")
-        return sizes
 
     # ------------------------------------------------------------------ the plan
     def _base_batches(self, epoch: int, group: int) -> list[np.ndarray]:
@@ -555,7 +487,6 @@ class DurationBucketSampler(Sampler):
             "max_batch_size": self.max_batch_size,
             "quadratic_duration": self.quadratic_duration,
             "max_tokens": self.max_tokens,
-            "bucket_budgets": None if self._budget_sizes is None else list(self._budget_sizes),
             "num_buckets": self.num_buckets,
             "sort_pool": self.sort_pool,
             "sync_buckets": self.sync_buckets,
@@ -597,7 +528,7 @@ class DurationBucketSampler(Sampler):
             world_size, rank = int(s.pop("world_size")), int(s.pop("rank"))
             s.setdefault("sync_buckets", False)  # states saved before the option existed
             s.setdefault("max_tokens", 0.0)
-            s.setdefault("bucket_budgets", None)
+            budgets = s.pop("bucket_budgets", None)  # states saved while per-bucket budget files existed
             saved = {k: s.pop(k) for k in self._settings()}
         except KeyError as e:
             raise ValueError(f"sampler state is missing key {e.args[0]!r}") from None
@@ -607,6 +538,8 @@ class DurationBucketSampler(Sampler):
             raise ValueError(f"sampler state version {version} is not supported (expected {_STATE_VERSION})")
         now = self._settings()
         diff = [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in now if saved[k] != now[k]]
+        if budgets is not None:
+            diff.append(f"bucket_budgets: saved {budgets!r} (a per-bucket budget file, no longer supported), now None")
         if diff:
             raise ValueError("sampler state was saved with a different set-up, so the saved position "
                              "means different batches now: " + "; ".join(diff))
@@ -642,7 +575,7 @@ class DurationBucketSampler(Sampler):
 
         Returns:
             dict with ``padding_fraction`` (padded seconds that are padding), ``budget_fill``
-            (mean padded batch cost / its bucket's budget: :meth:`bucket_budget`), ``step_balance``
+            (mean padded batch cost / ``max_duration``), ``step_balance``
             (sum over steps of the ranks' mean padded batch cost / of their maximum: 1.0 = no rank waits for another
             at the step's all-reduce, in the sampler's cost model), ``batch_size_mean/min/max``,
             ``num_batches`` (this rank), ``num_batches_total`` (all ranks), ``num_utterances``
@@ -664,19 +597,12 @@ class DurationBucketSampler(Sampler):
             real = float(d.sum())
         padded = float((nonempty * longest).sum())
         cost = nonempty * padded_cost(longest, self.quadratic_duration)
-        budget = self.max_duration
-        if self._budget_sizes is not None and nonempty.size:  # each batch against its own bucket's budget
-            bucket_of = np.empty(self.durations.size, dtype=np.int64)
-            for k, m in enumerate(self._buckets):
-                bucket_of[m] = k
-            budgets = np.array([self.bucket_budget(k) for k in range(len(self._buckets))])
-            budget = budgets[bucket_of[np.array([b[0] for b in adj if b.size])]]
         per_step = np.zeros(sizes.size)
         per_step[sizes > 0] = cost
         per_step = per_step.reshape(-1, self.world_size)  # the plan is a multiple of the world size
         stats = {
             "padding_fraction": 1.0 - real / padded if padded else 0.0,
-            "budget_fill": float((cost / budget).mean()) if cost.size else 0.0,
+            "budget_fill": float((cost / self.max_duration).mean()) if cost.size else 0.0,
             "step_balance": float(per_step.mean(1).sum() / per_step.max(1).sum()) if cost.size else 1.0,
             "batch_size_mean": float(sizes.mean()) if sizes.size else 0.0,
             "batch_size_min": int(sizes.min()) if sizes.size else 0,
@@ -690,53 +616,8 @@ class DurationBucketSampler(Sampler):
         return dict(stats)
 
     def __repr__(self) -> str:
-        budget = f"bucket_budgets={self.bucket_budgets!r}" if self.bucket_budgets else f"max_duration={self.max_duration}"
-        return (f"DurationBucketSampler(utterances={self.durations.size}, {budget}, "
+        return (f"DurationBucketSampler(utterances={self.durations.size}, max_duration={self.max_duration}, "
                 f"buckets={len(self._buckets)}, tail={self.tail!r}, world_size={self.world_size}, rank={self.rank})")
-
-
-def write_bucket_budgets(path: Union[str, os.PathLike, None], sampler: DurationBucketSampler,
-                         batch_sizes: Sequence[int], bucket_info: Optional[Sequence[dict]] = None, **info) -> dict:
-    """Write a budget file that ``DurationBucketSampler(bucket_budgets=path)`` reads (atomically).
-
-    Args:
-        path: the JSON file to write (None: only return the document).
-        sampler: the sampler whose buckets were measured: the file records its data set.
-        batch_sizes: the batch size of each of its buckets (>= 1).
-        bucket_info: optional extra fields per bucket (e.g. the peak memory measured).
-        **info: extra top-level fields (how and where it was measured).
-
-    Returns:
-        The document written.
-
-    Raises:
-        ValueError: not one batch size >= 1 per bucket.
-    """
-    sizes = [int(b) for b in batch_sizes]
-    edges = sampler.bucket_edges
-    if len(sizes) != len(edges) or min(sizes) < 1:
-        raise ValueError(f"need one batch size >= 1 for each of the {len(edges)} buckets, got {sizes}")
-    tokens = sampler.bucket_max_tokens
-    buckets = []
-    for k, ((lo, hi), b) in enumerate(zip(edges, sizes)):
-        row = {"bucket": k, "shortest_s": round(lo, 4), "longest_s": round(hi, 4), "batch_size": b,
-               "padded_s": round(b * hi, 3)}
-        if tokens is not None:
-            row["max_tokens"] = tokens[k]
-        buckets.append({**row, **(bucket_info[k] if bucket_info else {})})
-    doc = {"format": BUDGET_FORMAT, **sampler.budget_identity(), **info, "buckets": buckets}
-    if path is None:
-        return doc
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # a reader never sees half a file
-    return doc
 
 
 def _fit_to_ranks(batches: list[np.ndarray], world_size: int, tail: str,
