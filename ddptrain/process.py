@@ -86,17 +86,21 @@ def usable_cpu_count(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return max(1, min(cores, math.ceil(quota))) if quota else cores
 
 
+def _own_cgroup() -> str:
+    """This process's cgroup v2 path (``/proc/self/cgroup``'s ``0::`` line), or "" if unreadable."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            return next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
+    except OSError:
+        return ""
+
+
 def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[float]:
     """CPUs' worth of time per period the process's cgroup may use, or None (no limit, or no
     cgroup file readable). cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") of the own
     cgroup (``/proc/self/cgroup``) or, inside a container's namespace, of the root; v1:
     ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1 = no limit)."""
-    own = ""
-    try:
-        with open("/proc/self/cgroup") as f:
-            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
-    except OSError:
-        pass
+    own = _own_cgroup()
     for folder in dict.fromkeys([os.path.join(root, own.lstrip("/")), root]):
         try:
             with open(os.path.join(folder, "cpu.max")) as f:
@@ -278,13 +282,7 @@ def cgroup_memory_available(root: str = "/sys/fs/cgroup") -> Optional[int]:
     reclaimable ``inactive_file`` page cache) of the own cgroup (``/proc/self/cgroup``) and each
     of its parents, or inside a container's namespace of the root, the tightest; v1:
     ``memory/memory.limit_in_bytes`` minus ``memory.usage_in_bytes`` (less ``total_inactive_file``)."""
-    own = ""
-    try:
-        with open("/proc/self/cgroup") as f:
-            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
-    except OSError:
-        pass
-    parts = [p for p in own.strip("/").split("/") if p]
+    parts = [p for p in _own_cgroup().strip("/").split("/") if p]
     folders = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
     found = []
     for folder in dict.fromkeys(folders):
