@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddptrain.checkpoint_files import CheckpointError, read_header, weights_file
-from ddptrain.precision import KEEP_FP32
+from ddptrain.precision import kept_fp32
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -215,8 +215,7 @@ def load_pretrained(model: nn.Module, path: str, *, dtype: Optional[torch.dtype]
             the meta device, or an unreadable file.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
-    keep32 = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
-              for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    keep32 = kept_fp32(model)
     skip = set(skip)
     loaded = nbytes = 0
     missing: list[str] = []

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.config import ConfigError
-from ddptrain.precision import KEEP_FP32
+from ddptrain.precision import cast_frozen, kept_fp32
 from ddptrain.process import check_host_memory
 from ddptrain.sharded_masters import partition
 
@@ -126,8 +126,7 @@ class OffloadedMasters:
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         self.sharded = distributed  # checkpoints: ShardedMasterState per rank, bf16 weights file
-        keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
-                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+        keep = kept_fp32(model)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if len(self.trainable) < self.world_size:
             raise ValueError(f"optim.offload shards whole tensors: the model has {len(self.trainable)} trainable "
@@ -135,13 +134,7 @@ class OffloadedMasters:
         self.device = self.trainable[0].device
         self.cuda = self.device.type == "cuda"
         self.owners = owners = partition([p.numel() for p in self.trainable], self.world_size)  # optim.shard_grads reads it
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point() and id(p) not in keep:
-                p.data = p.data.to(dtype)
-        for m in model.modules():
-            for name, b in m.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point() and id(b) not in keep:
-                    setattr(m, name, b.to(dtype))
+        cast_frozen(model, dtype, keep)
         chunk_elems = max(1, int(chunk_mb * 2**20 / 2))
         owned = [p.numel() for p, o in zip(self.trainable, owners) if o == self.rank]
         _check_host_memory(sum(owned) * host_bytes_per_param() + (chunk_elems + max(owned)) * 4, self.device)

@@ -26,6 +26,25 @@ from torch import nn
 KEEP_FP32 = (nn.modules.batchnorm._NormBase,)
 
 
+def kept_fp32(model: nn.Module) -> set:
+    """The ids of the parameters and buffers that stay fp32 under param_dtype=bf16 (``KEEP_FP32``)."""
+    return {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+
+
+def cast_frozen(model: nn.Module, dtype: torch.dtype, keep: set) -> None:
+    """Frozen floating-point parameters and all floating-point buffers to ``dtype`` (those in
+    ``keep`` excepted): frozen weights need no master, and a fp32 buffer would promote the
+    activations back to fp32."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and id(p) not in keep:
+            p.data = p.data.to(dtype)
+    for m in model.modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and id(b) not in keep:
+                setattr(m, name, b.to(dtype))
+
+
 class Precision:
     """Autocast + (for fp16) loss scaling, with skipped-step detection.
 
@@ -115,15 +134,12 @@ class MasterWeights:
     sharded = False  # every rank holds every master (see ddptrain/sharded_masters.py for the other kind)
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
-        keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
-                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+        keep = kept_fp32(model)
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model param, master); same object if kept fp32
         self.to_master: dict[nn.Parameter, nn.Parameter] = {}
         for p in model.parameters():  # shared (tied) parameters come once: one master each
             if not p.requires_grad:
-                if p.is_floating_point() and id(p) not in keep:
-                    p.data = p.data.to(dtype)  # frozen: no master needed
-                continue
+                continue  # frozen: no master (cast_frozen below)
             if id(p) in keep or not p.is_floating_point():
                 master = p
             else:
@@ -131,10 +147,7 @@ class MasterWeights:
                 p.data = p.data.to(dtype)
             self.pairs.append((p, master))
             self.to_master[p] = master
-        for m in model.modules():
-            for name, b in m.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point() and id(b) not in keep:
-                    setattr(m, name, b.to(dtype))  # else a fp32 buffer promotes activations back to fp32
+        cast_frozen(model, dtype, keep)
         self._cast = [(p, m) for p, m in self.pairs if p is not m]
         self._kept = [p for p, m in self.pairs if p is m]  # fp32 already: the optimizer updates them
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.precision import KEEP_FP32, MasterWeights
+from ddptrain.precision import MasterWeights, cast_frozen, kept_fp32
 
 
 def partition(sizes: Sequence[int], world_size: int) -> list[int]:
@@ -73,21 +73,14 @@ class ShardedMasterWeights(MasterWeights):
         if not dist.is_initialized():
             raise ValueError("ShardedMasterWeights needs a process group (optim.zero with several ranks)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32)
-                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+        keep = kept_fp32(model)
         # every trainable tensor once (tied ones too): its position here is its global index
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if len(self.trainable) < self.world_size:
             raise ValueError(f"optim.zero with trainer.param_dtype=bf16 shards whole tensors: the model has "
                              f"{len(self.trainable)} trainable tensors for {self.world_size} ranks")
         self.owners = partition([p.numel() for p in self.trainable], self.world_size)
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point() and id(p) not in keep:
-                p.data = p.data.to(dtype)  # frozen: bf16, no master, never broadcast
-        for m in model.modules():
-            for name, b in m.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point() and id(b) not in keep:
-                    setattr(m, name, b.to(dtype))
+        cast_frozen(model, dtype, keep)  # frozen: bf16, no master, never broadcast
         # the masters first, from the parameters at full precision
         self.pairs, self.to_master, self.global_index = [], {}, {}
         for g, (p, owner) in enumerate(zip(self.trainable, self.owners)):
