@@ -10,7 +10,9 @@ How a step goes, once the StepUpdate has all-reduced the step's verdict (finite?
 normalisation-and-clipping factor?) and read it on the host:
 
 1. The owned bf16 gradients are copied to a pinned bf16 staging buffer on a side stream, chunk
-   by chunk (``optim.offload_chunk_mb``), all queued at once.
+   by chunk (``optim.offload_chunk_mb``), all queued at once. On one rank most of them are there
+   already: during the step's last backward each gradient is copied down (and its norm taken) as
+   soon as autograd has finished it, and freed on the GPU, so the GPU never holds all of them.
 2. For each chunk, as soon as its copy has landed: the host widens the gradients to fp32, runs
    the optimizer's own step (torch's fused CPU AdamW, multi-threaded) over that chunk's masters
    with the factor as its ``grad_scale``, rounds the updated masters into the staging buffer and
@@ -19,9 +21,13 @@ normalisation-and-clipping factor?) and read it on the host:
 3. The compute stream waits for the last upload; on several ranks each owner's flat buffer is
    then broadcast as with sharded masters.
 
-Why after the backward and not during it: the update needs the global gradient norm (clipping)
+Why the update waits for the end of the backward: it needs the global gradient norm (clipping)
 and the all-ranks finite check, which exist only once every gradient does; an update started
-earlier would be stale or inexact. A non-finite step is skipped before anything is copied.
+earlier would be stale or inexact. A non-finite step is skipped before the host updates anything.
+Only the copies start early, and only on one rank: with several, a gradient is final once DDP (or
+the sharded reducer) has reduced it, which the gradient hooks do not see. A parameter whose
+gradient arrives twice in one backward (reentrant checkpointing) has the second part added on the
+host, bf16 as the GPU would, and is downloaded after the backward from then on.
 
 Why the optimizer's own step per chunk (its param groups narrowed to the chunk for the call):
 its state is then plain AdamW state, so checkpoints have the format of the on-GPU path and a run
@@ -76,6 +82,7 @@ class _Bucket:
         self.flat = torch.empty(total, dtype=dtype, device=device)
         self.chunks: list[_Chunk] = []
         self.masters: list[nn.Parameter] = []
+        self.staged: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's place in the staging buffer
         if own:
             self.master_flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
             self.staging = torch.empty(total, dtype=dtype, pin_memory=pin)
@@ -89,6 +96,7 @@ class _Bucket:
                     master = nn.Parameter(view)
                     self.masters.append(master)
                     run_masters.append(master)
+                    self.staged[id(p)] = self.staging[offset:offset + n].view(p.shape)
                 flat_view = self.flat[offset:offset + n].view(p.shape)
                 flat_view.copy_(p.detach())
                 p.data = flat_view  # the old storage is freed here
@@ -158,12 +166,71 @@ class OffloadedMasters:
         if self.cuda:
             self._down = torch.cuda.Stream(self.device)
             self._up = torch.cuda.Stream(self.device)
+        # one rank: the gradients of the step's last backward leave the GPU as autograd finishes them
+        self.streams = self.world_size == 1
+        self.streaming = False  # set by the Trainer for the step's last micro-batch
+        self._staged = {k: v for b in self.own for k, v in b.staged.items()}
+        self._slot = {id(p): i for i, p in enumerate(self.trainable)}
+        self._norms = torch.zeros(len(self.trainable), dtype=torch.float32, device=self.device)
+        self._sent = [False] * len(self.trainable)  # this step's gradient is in the staging buffer
+        self._twice: list = []  # parameters whose gradient came again after it was sent (this step)
+        self._after_backward: set = set()  # parameters seen to get two gradients in one backward
+        if self.streams:
+            for p in self.trainable:
+                p.register_post_accumulate_grad_hook(self._send)
         self.restored = False  # set when a checkpoint's masters were loaded (ShardedMasterState)
 
     def host_bytes(self) -> int:
         """Host memory this rank holds for the offload (masters, moments, staging, scratch)."""
         owned = sum(b.master_flat.numel() for b in self.own)
         return owned * host_bytes_per_param() + self._scratch.numel() * 4
+
+    # ------------------------------------------------------------------ the gradients
+
+    @torch.no_grad()
+    def _send(self, p: torch.Tensor) -> None:
+        """Autograd has finished ``p.grad`` for this backward: on the step's last one, take its norm,
+        queue its copy to the staging buffer and free it on the GPU."""
+        if not self.streaming or id(p) in self._after_backward:
+            return
+        i = self._slot[id(p)]
+        if self._sent[i]:  # a second gradient in this backward: grad_norm() adds it on the host
+            self._twice.append(p)
+            return
+        g = p.grad
+        self._norms[i] = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+        if self.cuda:
+            self._down.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._down):
+                self._staged[id(p)].copy_(g, non_blocking=True)
+            g.record_stream(self._down)  # its memory is not reused before the copy has read it
+        else:
+            self._staged[id(p)].copy_(g)
+        self._sent[i] = True
+        p.grad = None
+
+    def sent(self) -> bool:
+        """Some of this step's gradients left the GPU during the backward."""
+        return any(self._sent)
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The gradient norm (fp32, on the device) when some gradients were sent during the
+        backward: theirs as taken then, the rest's (still on the GPU) now, in parameter order."""
+        for p in dict.fromkeys(self._twice):  # rare: add the late part on the host, as bf16 on the GPU would
+            if self.cuda:
+                self._down.synchronize()
+            view = self._staged[id(p)]
+            view.copy_(view.float() + p.grad.to("cpu", torch.float32))
+            self._norms[self._slot[id(p)]] = torch.linalg.vector_norm(view, 2, dtype=torch.float32).to(self.device)
+            self._after_backward.add(id(p))  # from the next step on, downloaded after the backward
+            p.grad = None
+        self._twice.clear()
+        left = [p for p in self.trainable if p.grad is not None]
+        if left:
+            norms = torch._foreach_norm([p.grad for p in left], 2, dtype=torch.float32)
+            self._norms[[self._slot[id(p)] for p in left]] = torch.stack(norms)
+        return torch.linalg.vector_norm(self._norms)
 
     # ------------------------------------------------------------------ the step
 
@@ -185,6 +252,8 @@ class OffloadedMasters:
                 for p in c.params:
                     view = b.staging[offset:offset + p.numel()].view(p.shape)
                     offset += p.numel()
+                    if self.streams and self._sent[self._slot[id(p)]]:
+                        continue  # copied during the backward
                     if p.grad is None:
                         view.zero_()
                     else:
@@ -247,6 +316,10 @@ class OffloadedMasters:
     def zero_model_grads(self) -> None:
         for p in self.trainable:
             p.grad = None
+        self.streaming = False
+        self._sent = [False] * len(self.trainable)
+        self._twice.clear()
+        self._norms.zero_()
 
     def _masters_by_storage(self) -> dict:
         return {p.data_ptr(): m for p, m in self.to_master.items()}

@@ -240,7 +240,10 @@ class Trainer:
                 self._last_batch = batch
             batch = to_device(batch, self.device)
             # all-reduce the gradients only on the last micro-batch: earlier ones just accumulate
-            sync = i == len(micro_batches) - 1 or not self.info.distributed
+            last = i == len(micro_batches) - 1
+            sync = last or not self.info.distributed
+            if getattr(self.master, "streams", False):  # optim.offload on one rank: the last backward's
+                self.master.streaming = last            # gradients go to the host as autograd makes them
             with (contextlib.nullcontext() if sync else self.model.no_sync()):
                 try:
                     with self.precision.autocast():

@@ -63,8 +63,11 @@ class StepUpdate:
         self.precision.unscale_(self.optimizer)  # fp16: true (unscaled) gradients from here on
         grads = [p.grad for p in self.params if p.grad is not None]
         f64 = dict(dtype=torch.float64, device=self.device)
-        raw_norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).double()
-                    if grads else torch.zeros((), **f64))
+        if self.offloaded and self.master.sent():  # one rank: most gradients are on the host already
+            raw_norm = self.master.grad_norm().double()
+        else:
+            raw_norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).double()
+                        if grads else torch.zeros((), **f64))
         if self.sharded_grads:
             raw_norm = raw_norm.square()  # summed over the ranks' disjoint shards by the all-reduce
         # Host values enter through torch.full, not torch.tensor: a copy from a host scalar would

@@ -18,7 +18,7 @@ import ddptrain
 from _dist import run_ranks
 from ddptrain.config import ConfigError
 from ddptrain.offload import OffloadedMasters
-from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches, params_of
+from test_trainer import FEAT, FrameMLP, frame_loss, make_cfg, micro_batches, params_of
 
 STEPS = 20
 BF16 = ("trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.fused=true", "trainer.clip_grad_norm=0.5",
@@ -27,9 +27,9 @@ BF16 = ("trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.fused=true"
 SMALL_CHUNKS = ("optim.offload=cpu", "optim.offload_chunk_mb=0.00003")
 
 
-def _run(out, run, data, *extra):
+def _run(out, run, data, *extra, make_model=FrameMLP, watch=None):
     torch.manual_seed(0)
-    model = FrameMLP()
+    model = make_model()
     cfg = make_cfg(os.path.join(out, run), f"trainer.max_steps={STEPS}", "checkpoint.every_steps=10",
                    "checkpoint.keep_last=0", *BF16, *extra)
     losses = []
@@ -42,6 +42,8 @@ def _run(out, run, data, *extra):
             return out_
 
         trainer.train_step = step
+        if watch is not None:
+            watch(trainer)
         trainer.fit()
         master = trainer.master
     return params_of(model), losses, master
@@ -78,6 +80,60 @@ def test_offload_one_rank_equals_the_on_device_update_bitwise_and_resumes_with_o
     assert losses_a == losses_b == plain_losses[10:]
     for k, v in plain.items():
         assert torch.equal(on_off[k], v) and torch.equal(off_on[k], v), k
+
+
+@pytest.mark.timeout(120)
+def test_offload_one_rank_sends_the_last_backwards_gradients_during_it(tmp_path):
+    """With accumulation 2, the first micro-batch's gradients accumulate on the device and the
+    second backward sends each finished gradient to the host and frees it: at the update no
+    gradient is left on the device (the result is the bitwise test's above)."""
+    seen = []
+
+    def watch(trainer):
+        real = trainer.update
+
+        def spy(*a, **k):
+            seen.append(([p.grad is not None for p in trainer.master.trainable], list(trainer.master._sent)))
+            return real(*a, **k)
+        trainer.update = spy
+
+    _run(tmp_path, "off", _data_one_rank(), *SMALL_CHUNKS, watch=watch)
+    assert len(seen) == STEPS
+    for on_device, sent in seen:
+        assert not any(on_device) and all(sent)
+
+
+class TwiceUsed(torch.nn.Module):
+    """A layer used once plainly and once inside a reentrant checkpoint: its gradient arrives in
+    two parts within one backward (the reentrant backward accumulates on its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(FEAT, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def _block(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        h = self._block(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(self._block, h, use_reentrant=True)
+        return self.out(h).squeeze(-1)
+
+
+@pytest.mark.timeout(120)
+def test_offload_adds_a_gradient_that_arrives_twice_in_one_backward(tmp_path):
+    """Reentrant checkpointing: the shared layer's second gradient part comes after its first was
+    sent; the host adds it (as bf16 on the device would) and later steps download that layer
+    after the backward. Bitwise the on-device update, as the plain model's test."""
+    data = _data_one_rank()
+    plain, plain_losses, _ = _run(tmp_path, "plain", data, make_model=TwiceUsed)
+    off, off_losses, master = _run(tmp_path, "off", data, *SMALL_CHUNKS, make_model=TwiceUsed)
+    assert master._after_backward == {id(master.trainable[2]), id(master.trainable[3])}  # shared.weight, .bias
+    assert off_losses == plain_losses
+    for k, v in plain.items():
+        assert torch.equal(off[k], v), k
 
 
 def _worker(rank, world, out, run, extra):
