@@ -79,13 +79,16 @@ class _Bucket:
         self.owner, self.dtype = owner, dtype
         device = params[0].device
         total = sum(p.numel() for p in params)
-        self.flat = torch.empty(total, dtype=dtype, device=device)
         self.chunks: list[_Chunk] = []
         self.masters: list[nn.Parameter] = []
         self.staged: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's place in the staging buffer
         if own:
             self.master_flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
             self.staging = torch.empty(total, dtype=dtype, pin_memory=pin)
+        # The parameters pass through the host (rounded there, as the GPU would) and leave the GPU
+        # before the flat buffer is allocated, so it never holds them at full precision beside it.
+        rounded = self.staging if own else torch.empty(total, dtype=dtype)
+        shapes = [p.shape for p in params]
         offset, start, run, run_masters = 0, 0, [], []
         with torch.no_grad():
             for p in params:
@@ -93,20 +96,28 @@ class _Bucket:
                 if own:  # the master from the parameter at full precision, before it is rounded
                     view = self.master_flat[offset:offset + n].view(p.shape)
                     view.copy_(p.detach())
+                    rounded[offset:offset + n].copy_(view.view(-1))
                     master = nn.Parameter(view)
                     self.masters.append(master)
                     run_masters.append(master)
                     self.staged[id(p)] = self.staging[offset:offset + n].view(p.shape)
-                flat_view = self.flat[offset:offset + n].view(p.shape)
-                flat_view.copy_(p.detach())
-                p.data = flat_view  # the old storage is freed here
+                else:
+                    rounded[offset:offset + n].copy_(p.detach().reshape(-1))
+                p.data = torch.empty(0, dtype=dtype, device=device)  # the old storage is freed here
                 run.append(p)
                 offset += n
                 if own and offset - start >= chunk_elems:
                     self.chunks.append(_Chunk(start, offset, run, run_masters))
                     start, run, run_masters = offset, [], []
-        if own and run:
-            self.chunks.append(_Chunk(start, offset, run, run_masters))
+            if own and run:
+                self.chunks.append(_Chunk(start, offset, run, run_masters))
+            self.flat = torch.empty(total, dtype=dtype, device=device)
+            self.flat.copy_(rounded)
+            offset = 0
+            for p, shape in zip(params, shapes):
+                n = shape.numel()
+                p.data = self.flat[offset:offset + n].view(shape)
+                offset += n
 
 
 class OffloadedMasters:
