@@ -2,10 +2,10 @@
 
 Public API: :class:`Trainer`, :class:`Config` and :func:`load_config`, :func:`setup_distributed`,
 :func:`load_weights` / :func:`save_weights`, loading large models without a full fp32 copy
-(:func:`empty_weights` + :func:`load_pretrained`), LoRA (:func:`apply_lora`, :func:`merge_lora`,
-:func:`lora_state_dict`; more in :mod:`ddptrain.lora`), the head-sized loss of causal LMs
-(:func:`causal_lm_loss`), WER/CER counting in :mod:`ddptrain.metrics`, and the speech data pieces
-in :mod:`ddptrain.data`.
+(:func:`empty_weights` + :func:`load_pretrained`; weights files and exports: :mod:`ddptrain.weights`),
+LoRA (:func:`apply_lora`, :func:`merge_lora`, :func:`lora_state_dict`; more in :mod:`ddptrain.lora`),
+the head-sized loss of causal LMs (:func:`causal_lm_loss`), WER/CER counting in
+:mod:`ddptrain.metrics`, and the speech data pieces in :mod:`ddptrain.data`.
 """
 
 from ddptrain.checkpoint import CheckpointError

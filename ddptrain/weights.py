@@ -11,9 +11,10 @@ adapters merged into its base)::
 
 Why it sits above checkpoint.py: a weights path may name a checkpoint or a run folder (its
 newest complete checkpoint), and a file in a checkpoint is checked against the folder's
-``SHA256SUMS`` before it is read, so this module asks checkpoint.py about folders; checkpoint.py
-in turn writes ``model.safetensors`` through the writer the Trainer builds here, and never
-imports this module.
+``SHA256SUMS`` before it is read, so this module asks checkpoint.py about folders. checkpoint.py
+never imports it: it writes ``model.safetensors`` by calling the writer the Trainer hands it
+(:func:`save_weights` of :func:`weights_to_save`'s tensors), so neither needs a third module
+of shared layout facts between them.
 
 Loading large weights: the usual way, ``model = Model(config)`` then
 ``model.load_state_dict(load_file(path))``, holds three copies at its peak: the randomly
