@@ -4,7 +4,8 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
 
     step_00000120/
         model.safetensors     weights only; loadable with safetensors + load_state_dict, no ddptrain
-                              (checkpoint.trainable_only: the trainable tensors, the base by path)
+                              (checkpoint.trainable_only: the trainable tensors, the base by path);
+                              written and read by ddptrain/weights.py
         trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress), rank 0
         {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer shard
         config.yaml           the config the checkpoint was saved under
@@ -14,7 +15,10 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
         COMPLETE              written last; a folder without it is never loaded
 
 What goes in is decided by the caller, which hands :func:`save` / :func:`load` dicts of stateful
-objects (``state_dict()`` / ``load_state_dict()``): this module knows files, not Trainers.
+objects (``state_dict()`` / ``load_state_dict()``) and the other files by name (text, or a
+function that writes the file, as ``model.safetensors`` is written): this module knows folders
+and files, not Trainers or weight formats. ddptrain/weights.py imports this module (a weights
+path may be a checkpoint or run folder, checked against its checksums), never the other way.
 
 Why per-rank ZeRO shards instead of ``consolidate_state_dict()``: consolidation funnels every
 rank's state through rank 0's GPU (a memory spike of the whole optimizer state, 8 B/param for
@@ -26,7 +30,8 @@ Atomicity: every rank writes into ``.tmp-step_N``; the ranks agree (all-reduce) 
 write succeeded; then rank 0 writes the marker, fsyncs and renames the folder to ``step_N``.
 A crash at any point leaves either the previous checkpoints untouched plus a stale ``.tmp-``
 folder (ignored, removed next save), or a complete new checkpoint. Every checkpoint names the
-run that wrote it (``run_id``): a run never overwrites or prunes another run's checkpoints.
+run that wrote it (``run_id``, read by :func:`run_id_of`): a run never overwrites or prunes
+another run's checkpoints.
 
 Integrity: a complete folder can still be damaged later (a disk error, a copy cut short or
 altered in place). Each rank hashes the files it wrote and rank 0 writes them to ``SHA256SUMS``
@@ -42,33 +47,66 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import warnings
-from typing import Optional, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Union
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch import nn
 
 from ddptrain import dist
-from ddptrain.checkpoint_files import (CHECKSUMS, COMPLETE, HEADER_BASE_FINGERPRINT, HEADER_BASE_MODEL,
-                                       HEADER_LORA_SCALINGS, HEADER_TRAINABLE_ONLY, STEP_DIR, CheckpointError,
-                                       checkpoint_root, damage, ensure_intact, find_latest, list_complete,
-                                       mark_intact, read_checksums, resolve_base, sha256_files, weights_file,
-                                       weights_info)
-from ddptrain.loading import load_pretrained
-from ddptrain.lora import add_adapters, lora_scalings
 
-# the read-only half of the layout lives in checkpoint_files.py; its names are this module's too
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+# Each checkpoint's files with their SHA-256, in `sha256sum` format (`sha256sum -c SHA256SUMS`
+# checks a folder without ddptrain); written at save before COMPLETE, checked before a file is read.
+CHECKSUMS = "SHA256SUMS"
+
 __all__ = ["CheckpointError", "COMPLETE", "CHECKSUMS", "checkpoint_root", "list_complete", "find_latest",
-           "newest_intact", "damage", "ensure_intact", "check_writable",
-           "unwrap", "save_weights", "weights_file", "read_weights", "trainable_keys", "base_fingerprint",
-           "weights_to_save", "weights_info", "resolve_base", "resume_keys", "load_weights", "apply_weights",
-           "save", "read_meta", "resolve", "load", "prune", "produces"]
+           "run_id_of", "check_writable", "sha256_files", "read_checksums", "mark_intact", "damage", "ensure_intact",
+           "newest_intact", "save", "read_meta", "resolve", "load", "prune", "produces"]
 
 
-# ----------------------------------------------------------------------------- paths
+class CheckpointError(RuntimeError):
+    """A checkpoint (or a weights file) could not be written or read; the message names the path."""
+
+
+# ----------------------------------------------------------------------------- checkpoint folders
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def list_complete(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, COMPLETE)):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_latest(root: str) -> Optional[str]:
+    """The newest complete checkpoint, or None. Half-written (``.tmp-``) folders never count."""
+    found = list_complete(root)
+    return found[-1][1] if found else None
+
+
+def run_id_of(path: str) -> Optional[str]:
+    """The run that wrote the checkpoint at ``path`` (its meta.json's ``run_id``), or None where
+    it cannot be read."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_writable(path: str, min_free_gb: float) -> None:
@@ -94,187 +132,111 @@ def check_writable(path: str, min_free_gb: float) -> None:
             f"checkpoint.min_free_gb={min_free_gb}; free space or lower the limit")
 
 
-# ----------------------------------------------------------------------------- weights
+# ----------------------------------------------------------------------------- checksums
+
+# realpath -> (size, mtime_ns, inode) of the checkpoint files this process has checked (or just
+# written): a resume reads model.safetensors and trainer.pt after open_run checked them, and a
+# file is hashed once, not at every read. A file written to since has another mtime: checked again.
+_INTACT: dict[str, tuple] = {}
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP / torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
+def _stat_key(path: str) -> tuple:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def save_weights(model: Union[nn.Module, dict], path: str, metadata: Optional[dict] = None) -> None:
-    """Model weights (a module, or a state dict) as safetensors. Tied (shared) tensors are stored
-    as separate copies so the file loads with plain ``safetensors.torch.load_file`` +
-    ``load_state_dict``. ``metadata``: extra string entries for the file's header (see
-    :func:`weights_to_save`)."""
-    state, seen = {}, set()
-    weights = model if isinstance(model, dict) else unwrap(model).state_dict()
-    for k, v in weights.items():
-        t = v.detach()
-        if t.data_ptr() in seen and t.numel() > 0:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        state[k] = t.to("cpu").contiguous()
-    save_file(state, path, metadata={"format": "pt", "writer": "ddptrain", **(metadata or {})})
+def _sha256(path: str) -> str:
+    h, buf = hashlib.sha256(), bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])  # hashlib releases the GIL on large buffers: files hash in parallel
+    return h.hexdigest()
 
 
-def read_weights(path: str) -> tuple[str, dict]:
-    """``(file, tensors by name)`` of saved weights: ``path`` is a file, a checkpoint folder or
-    a run folder, as in :func:`load_weights`.
+def sha256_files(paths: list[str]) -> dict[str, str]:
+    """``{path: SHA-256 hex digest}``, hashed in parallel threads (1.5 GB/s each on a current CPU)."""
+    if not paths:
+        return {}
+    with ThreadPoolExecutor(min(8, len(paths), os.cpu_count() or 1)) as pool:
+        return dict(zip(paths, pool.map(_sha256, paths)))
 
-    Raises:
-        CheckpointError: file missing or unreadable.
-    """
-    path = weights_file(path)
-    ensure_intact(path)
+
+def read_checksums(folder: str) -> Optional[dict[str, str]]:
+    """``{file name: digest}`` of a checkpoint's :data:`CHECKSUMS`, or None where it has none
+    (saved by a ddptrain from before checksums: such a checkpoint loads unverified)."""
     try:
-        return path, load_file(path)
-    except Exception as e:
-        raise CheckpointError(f"cannot read weights {path}: {e}") from e
-
-
-def trainable_keys(module: nn.Module) -> set:
-    """The state-dict keys of the trainable parameters and of every persistent buffer (buffers
-    such as BatchNorm statistics change in training whether or not their module is frozen)."""
-    module = unwrap(module)
-    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
-    return trainable | (set(module.state_dict()) - params)
-
-
-@torch.no_grad()
-def base_fingerprint(module: nn.Module) -> str:
-    """A cheap fingerprint of the frozen parameters (names, shapes and the bf16-rounded sum of the
-    first 1024 values of each): enough to tell that a resume runs on another base model."""
-    frozen = [(n, p) for n, p in sorted(unwrap(module).named_parameters()) if not p.requires_grad]
-    if not frozen:
-        return ""
-    sums = torch.stack([p.detach().reshape(-1)[:1024].to(torch.bfloat16).double().sum() for _, p in frozen]).tolist()
-    text = ";".join(f"{n}{tuple(p.shape)}={v:.6e}" for (n, p), v in zip(frozen, sums))
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
-def weights_to_save(module: nn.Module, master=None, trainable_only: bool = False,
-                    base_model: str = "") -> tuple[dict, dict]:
-    """``(tensors, header entries)`` a checkpoint saves as its ``model.safetensors``.
-
-    Args:
-        module: the (unwrapped) model.
-        master: its master weights, if any (their ``state_dict(module)``: fp32 masters).
-        trainable_only: keep only :func:`trainable_keys`; the header names ``base_model``
-            (absolute path) and the frozen weights' :func:`base_fingerprint`.
-        base_model: where the frozen weights come from.
-    """
-    weights = master.state_dict(module) if master is not None else module.state_dict()
-    header = {}
-    scalings = lora_scalings(module)
-    if scalings:  # lets load_weights add the adapters to a plain model, and export merge them
-        header[HEADER_LORA_SCALINGS] = json.dumps(scalings)
-    if trainable_only:
-        keep = trainable_keys(module)
-        weights = {k: v for k, v in weights.items() if k in keep}
-        header.update({HEADER_TRAINABLE_ONLY: "true", HEADER_BASE_MODEL: os.path.abspath(base_model),
-                       HEADER_BASE_FINGERPRINT: base_fingerprint(module)})
-    return weights, header
-
-
-def resume_keys(module: nn.Module, file: str) -> Optional[set]:
-    """The keys a resume must find in ``file``: all (None) for a full checkpoint; the trainable
-    ones for a trainable-only checkpoint, after checking the model's frozen weights are the
-    base it was trained on.
-
-    Raises:
-        CheckpointError: the frozen weights differ from the checkpoint's base model.
-    """
-    info = weights_info(file)
-    if not info["trainable_only"]:
+        with open(os.path.join(folder, CHECKSUMS), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
         return None
-    now = base_fingerprint(module)
-    if info["base_fingerprint"] != now:
-        raise CheckpointError(f"{file} was trained on the frozen weights of {info['base_model']!r} (fingerprint "
-                              f"{info['base_fingerprint']}); this model's frozen weights differ ({now}): load that "
-                              "base model before resuming")
-    return trainable_keys(module)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {os.path.join(folder, CHECKSUMS)}: {e}") from e
+    sums = {}
+    for line in lines:
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise CheckpointError(f"{os.path.join(folder, CHECKSUMS)} is damaged (line {line[:80]!r})")
+        sums[name.lstrip("*")] = digest
+    return sums
 
 
-def load_weights(model: nn.Module, path: str, strict: bool = True, base: Optional[str] = None,
-                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> dict:
-    """Load safetensors weights (a file, or a checkpoint folder) into ``model``.
+def mark_intact(folder: str, names) -> None:
+    """Record ``names`` in ``folder`` as checked (files this process just wrote, or that another
+    rank checked on the same storage)."""
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            _INTACT[os.path.realpath(path)] = _stat_key(path)
+        except OSError:
+            pass
 
-    A trainable-only checkpoint (``checkpoint.trainable_only``) is composed: first its base
-    model, read tensor by tensor (:func:`ddptrain.loading.load_pretrained`; a model built with
-    ``empty_weights()`` is allocated in ``dtype`` on ``device`` here), then the checkpoint's own
-    tensors. The LoRA adapters a checkpoint holds are added to a model that has none yet
-    (layers and scalings from the file's header).
 
-    Args:
-        path: a ``.safetensors`` file, a checkpoint folder holding ``model.safetensors``, or a
-            run folder (its newest complete checkpoint is used).
-        strict: if False, load what matches (name and shape) and report the rest: the partial
-            initialisation used for fine-tuning with, say, a new output vocabulary.
-        base: the base model of a trainable-only checkpoint, if not where the checkpoint says.
-        dtype, device: for tensors allocated while loading the base (meta models).
+def damage(folder: str, names: Optional[list[str]] = None) -> str:
+    """What is wrong with a checkpoint's files against its :data:`CHECKSUMS` ("" when nothing,
+    or when it has no checksums; ``names``: only these files, those listed).
 
-    Returns:
-        ``{"missing": [...], "unexpected": [...], "mismatched": [...], "loaded": n}``.
+    A file is hashed at most once per process while unchanged (see ``_INTACT``).
+    """
+    try:
+        sums = read_checksums(folder)
+    except CheckpointError as e:
+        return str(e)
+    if sums is None:
+        return ""
+    todo, problems = [], []
+    for name in (sums if names is None else [n for n in names if n in sums]):
+        path = os.path.join(folder, name)
+        try:
+            key = _stat_key(path)
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        if _INTACT.get(os.path.realpath(path)) != key:
+            todo.append(path)
+    for path, digest in sha256_files(todo).items():
+        name = os.path.basename(path)
+        if digest != sums[name]:
+            problems.append(f"{name}: its SHA-256 is not the one in {CHECKSUMS} (the file changed after it was "
+                            "saved: disk or copy corruption)")
+        else:
+            mark_intact(folder, [name])
+    return "; ".join(problems)
+
+
+def ensure_intact(file: str) -> None:
+    """Check one checkpoint file against its folder's :data:`CHECKSUMS` before it is read (a file
+    outside a checkpoint folder, or not listed, passes).
 
     Raises:
-        CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
-            readable diff; a trainable-only checkpoint whose base model cannot be found.
+        CheckpointError: the file is not the one saved (the message names it and the folder).
     """
-    file = weights_file(path)
-    info = weights_info(file)
-    source, saved = read_weights(file)
-    target = unwrap(model)
-    if not info["trainable_only"]:
-        add_adapters(target, info["lora_scalings"], saved)  # a LoRA run's full checkpoint into a plain model
-        return apply_weights(target, source, saved, strict=strict)
-    base_report = load_pretrained(target, base or resolve_base(info["base_model"], file), dtype=dtype,
-                                  device=device, strict=False, skip=saved)
-    add_adapters(target, info["lora_scalings"], saved)
-    need = set(saved) | set(base_report["missing"]) if strict else None  # what the base did not provide
-    report = apply_weights(target, source, saved, strict=strict, expect=need)
-    if strict and base_report["unexpected"]:
-        raise CheckpointError(f"base model of {file} has tensors this model lacks: {base_report['unexpected'][:20]}")
-    return report
-
-
-def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = True,
-                  expect: Optional[set] = None) -> dict:
-    """The second half of :func:`load_weights`: put tensors already read from ``source`` (named
-    in messages) into ``model``, with the same checks, report and errors.
-
-    Args:
-        expect: the keys ``saved`` must hold (default: all of the model's); a trainable-only
-            checkpoint passes :func:`trainable_keys` (see :func:`resume_keys`).
-    """
-    target = unwrap(model)
-    own = target.state_dict()
-    missing = sorted((set(own) if expect is None else set(expect)) - set(saved))
-    unexpected = sorted(set(saved) - set(own))
-    mismatched = sorted(
-        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in set(own) & set(saved) if saved[k].shape != own[k].shape)
-    report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
-    if strict and (missing or unexpected or mismatched):
-        lines = [f"weights in {source} do not fit the model (pass strict=False to load what fits):"]
-        for title, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                             ("shape mismatch", mismatched)):
-            if items:
-                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(shown))
-        raise CheckpointError("\n".join(lines))
-    bad = {m.split(":")[0] for m in mismatched}
-    loadable = {k: v for k, v in saved.items() if k in own and k not in bad}
-    target.load_state_dict(loadable, strict=False)
-    report["loaded"] = len(loadable)
-    return report
+    folder = os.path.dirname(os.path.abspath(file))
+    if not os.path.isfile(os.path.join(folder, COMPLETE)):
+        return  # not a checkpoint's file: a SHA256SUMS there is someone else's
+    why = damage(folder, [os.path.basename(file)])
+    if why:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {why}; use an earlier checkpoint")
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -287,7 +249,8 @@ def _fsync_write(path: str, write_fn) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
+    """Flush a folder, or a file another function wrote and closed, to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -295,30 +258,27 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-
 def save(
     root: str,
     step: int,
-    weights: Union[nn.Module, dict],
     shared: dict,
     per_rank: dict,
     meta: dict,
     device: torch.device,
-    files: Optional[dict] = None,
-    weights_metadata: Optional[dict] = None,
+    files: Optional[dict[str, Union[str, Callable[[str], None]]]] = None,
 ) -> str:
     """Collective: every rank calls it; returns the final checkpoint path.
 
     Args:
         root: the checkpoints folder.
-        weights: the model, or the state dict to save as its weights (e.g. the fp32 masters).
         shared: name -> stateful object whose state is the same on every rank (optimizer,
             scheduler, scaler, progress); rank 0 writes their ``state_dict()`` to ``trainer.pt``.
         per_rank: name -> stateful object whose state differs per rank (RNG, sampler, a ZeRO
             shard), or None; each rank writes ``{name}_rank{r}.pt``.
         meta: JSON-able facts (epoch, world size, metrics, run id) for humans and keep-best.
-        files: extra text files rank 0 writes into the checkpoint (e.g. ``config.yaml``).
-        weights_metadata: header entries of ``model.safetensors`` (:func:`weights_to_save`).
+        files: the other files rank 0 writes into the checkpoint, by name: a text
+            (``config.yaml``), or a function that writes the file at the path it is given
+            (``model.safetensors``: a writer from ddptrain/weights.py); each is fsynced.
 
     Raises:
         CheckpointError: on every rank, if any rank failed to write; earlier checkpoints are
@@ -330,7 +290,7 @@ def save(
     error = None
     if rank == 0:
         try:
-            owner = _run_id_of(final) if os.path.isdir(final) else None
+            owner = run_id_of(final) if os.path.isdir(final) else None
             if owner is not None and owner != meta.get("run_id"):
                 raise CheckpointError(f"{final} belongs to run {owner!r}, not this run "
                                       f"({meta.get('run_id')!r}): refusing to overwrite it")
@@ -351,12 +311,15 @@ def save(
                 written.append(f"{key}_rank{rank}.pt")
                 _fsync_write(os.path.join(tmp, written[-1]), lambda f: torch.save(state, f))
         if rank == 0:
-            save_weights(weights, os.path.join(tmp, "model.safetensors"), weights_metadata)
             state = {key: obj.state_dict() for key, obj in shared.items()}
             _fsync_write(os.path.join(tmp, "trainer.pt"), lambda f: torch.save(state, f))
-            for fname, text in (files or {}).items():
-                _fsync_write(os.path.join(tmp, fname), lambda f: f.write(text.encode()))
-            written += ["model.safetensors", "trainer.pt", *(files or {})]
+            for fname, content in (files or {}).items():
+                if callable(content):
+                    content(os.path.join(tmp, fname))
+                    _fsync(os.path.join(tmp, fname))
+                else:
+                    _fsync_write(os.path.join(tmp, fname), lambda f: f.write(content.encode()))
+            written += ["trainer.pt", *(files or {})]
         # hashed from the files (page cache), not the memory: the sums say what reached the file system
         sums = {os.path.basename(p): d for p, d in sha256_files([os.path.join(tmp, n) for n in written]).items()}
     except Exception as e:  # disk full, permissions, ...: agree on failure below
@@ -385,11 +348,11 @@ def save(
             listing = "".join(f"{d}  {name}\n" for name, d in sorted(every.items())).encode()
             _fsync_write(os.path.join(tmp, CHECKSUMS), lambda f: f.write(listing))
             _fsync_write(os.path.join(tmp, COMPLETE), lambda f: f.write(b"ok\n"))
-            _fsync_dir(tmp)
+            _fsync(tmp)
             if os.path.exists(final):  # this run saved this step before (a periodic save, then the end)
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            _fsync(root)
         except Exception as e:
             error = e
             shutil.rmtree(tmp, ignore_errors=True)
@@ -460,7 +423,7 @@ def newest_intact(root: str, say=print, run_id: Optional[str] = None) -> Optiona
     Raises:
         CheckpointError: complete checkpoints exist and every one is damaged.
     """
-    found = [p for _, p in list_complete(root) if run_id is None or _run_id_of(p) == run_id]
+    found = [p for _, p in list_complete(root) if run_id is None or run_id_of(p) == run_id]
     skipped = []
     for path in reversed(found):
         why = damage(path)
@@ -499,8 +462,9 @@ class _LazyRankStates:
 
 def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) -> dict:
     """Load a complete checkpoint's states into the stateful objects: the inverse of :func:`save`
-    (weights are read separately with :func:`read_weights`). Shared states are loaded first, so a
-    per-rank object may depend on one (the sampler position on the progress record).
+    (the weights are read separately, with ``ddptrain.weights.read_weights``). Shared states are
+    loaded first, so a per-rank object may depend on one (the sampler position on the progress
+    record).
 
     A checkpoint written by another number of processes loads too, if every per-rank object in it
     can move: each then gets ``load_resharded(old_states, meta)`` instead of ``load_state_dict``.
@@ -561,14 +525,6 @@ def _torch_load(path: str):
         raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
 
 
-def _run_id_of(path: str) -> Optional[str]:
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def produces(result: dict, metric: str, sources=()) -> bool:
     """Whether an evaluation's ``result`` has keep_best's ``metric``. With ``sources`` (a probe of
     a few batches, which need not hold every source), a per-source name ``base/source`` counts when
@@ -591,7 +547,7 @@ def prune(root: str, keep_last: int, keep_best: int, metric: str, mode: str, run
     Returns:
         The deleted paths.
     """
-    found = [(s, p) for s, p in list_complete(root) if _run_id_of(p) == run_id]
+    found = [(s, p) for s, p in list_complete(root) if run_id_of(p) == run_id]
     if keep_last <= 0 or len(found) <= 1:
         return []
     keep = {p for _, p in found[-keep_last:]}

@@ -27,9 +27,9 @@ Use it through the config (no code)::
 
 or from Python: :func:`apply_lora`, :func:`merge_lora`, :func:`lora_state_dict`,
 :func:`merged_state_dict`. Export a trained checkpoint as plain merged weights (base + adapters
-folded in; loadable by the base model's own code) with::
+folded in; loadable by the base model's own code) with ddptrain/weights.py::
 
-    python -m ddptrain.lora export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16]
+    python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16]
 
 Frozen parameters cost their weights only: with ``trainer.param_dtype: bf16`` 2 B each, no
 gradient, no master, no optimizer state (see ``python -m ddptrain.memory --trainable``). DDP
@@ -39,24 +39,18 @@ only registers the trainable parameters, so frozen ones never need
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import fnmatch
-import re
-import json
 import math
-import sys
-from typing import Iterable, Optional, Sequence
+import re
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddptrain import checkpoint_files as ckpt
-from ddptrain.loading import DTYPES, SafetensorsSource, write_shards
-
 __all__ = ["LoRALinear", "apply_lora", "merge_lora", "unmerge_lora", "lora_state_dict", "merged_state_dict",
-           "lora_scalings", "add_adapters", "export_merged"]
+           "lora_scalings", "add_adapters", "merge_tensors"]
 
 
 class LoRALinear(nn.Linear):
@@ -140,7 +134,7 @@ def apply_lora(model: nn.Module, targets: Sequence[str], rank: int = 16, alpha: 
                              "layers only; narrow lora.targets")
         if m.weight.is_meta:
             raise ValueError(f"{name}'s weight is on the meta device: load the base weights "
-                             "(ddptrain.loading.load_pretrained) before adding adapters")
+                             "(ddptrain.load_pretrained) before adding adapters")
     extra = [n for n, _ in model.named_parameters()] if trainable else []
     keep = set(_match(extra, trainable))
     missing = [g for g in trainable if not _match(extra, [g])]
@@ -291,70 +285,3 @@ def merge_tensors(tensors: dict, scalings: dict) -> dict:
             delta = (tensors[f"{layer}.lora_B"].float() @ tensors[k].float()) * scalings[layer]
             out[f"{layer}.weight"] = (w.float() + delta).to(w.dtype)
     return out
-
-
-def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, max_shard_gb: float = 5.0) -> list[str]:
-    """Write a checkpoint's weights with the adapters merged in, as plain safetensors shards.
-
-    The result has the base model's tensor names only (Hugging Face layout: ``model.safetensors``,
-    or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` above
-    ``max_shard_gb``), so the base model's own code loads it. A trainable-only checkpoint's base
-    weights are read from the path it names, tensor by tensor: memory stays near one shard.
-
-    Args:
-        checkpoint: a checkpoint folder, a run folder or a ``model.safetensors`` file.
-        out_dir: the folder to write (created).
-        dtype: ``bf16`` | ``fp16`` | ``fp32`` for every floating tensor; default: as stored.
-        max_shard_gb: the largest shard, in GB (1e9 bytes).
-
-    Returns:
-        The files written.
-
-    Raises:
-        ddptrain.CheckpointError: the checkpoint or its base model cannot be read.
-    """
-    file = ckpt.weights_file(checkpoint)
-    info = ckpt.weights_info(file)
-    cast = DTYPES[dtype] if dtype else None
-    with SafetensorsSource(file) as own:
-        adapter = {k: own.get(k) for k in own.keys()}  # the trainable part: small
-    scalings = info.get("lora_scalings", {})
-    base = SafetensorsSource(ckpt.resolve_base(info["base_model"], file)) if info.get("trainable_only") else None
-
-    def merged():
-        layers = {k[: -len(".lora_A")] for k in adapter if k.endswith(".lora_A")}
-        names = base.keys() if base else [k for k in adapter if not k.endswith((".lora_A", ".lora_B"))]
-        for name in names:
-            t = adapter[name] if name in adapter else base.get(name)  # trained tensors win over the base
-            layer = name[: -len(".weight")] if name.endswith(".weight") else None
-            if layer in layers:
-                t = merge_tensors({name: t, f"{layer}.lora_A": adapter[f"{layer}.lora_A"],
-                                   f"{layer}.lora_B": adapter[f"{layer}.lora_B"]}, scalings)[name]
-            yield name, (t.to(cast) if cast is not None and t.is_floating_point() else t)
-
-    try:
-        return write_shards(merged(), out_dir, int(max_shard_gb * 1e9),
-                            metadata={"format": "pt", "writer": "ddptrain.lora export", "source": file})
-    finally:
-        if base is not None:
-            base.close()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddptrain.lora",
-                                description="LoRA tools. export: a checkpoint's weights with the adapters merged in, "
-                                            "as plain safetensors (the base model's names and layout).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="merge a checkpoint's adapters into its base weights and write safetensors")
-    e.add_argument("checkpoint", help="checkpoint folder, run folder or model.safetensors")
-    e.add_argument("out_dir", help="output folder")
-    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
-    e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output file (GB)")
-    args = p.parse_args(argv)
-    files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb)
-    print(json.dumps({"written": files}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,7 +41,7 @@ import torch
 
 from ddptrain import dist
 from ddptrain.checkpoint import (CheckpointError, check_writable, checkpoint_root, list_complete, mark_intact,
-                                 newest_intact, read_checksums, resolve)
+                                 newest_intact, read_checksums, resolve, run_id_of)
 
 LOCK = ".lock"
 ARCHIVE = "archive"
@@ -182,7 +182,7 @@ def claim(output_dir: str, resuming_from: Optional[str], start_over: bool,
     existing = list_complete(root)
     if resuming_from is not None:
         own = os.path.realpath(os.path.dirname(os.path.normpath(resuming_from))) == os.path.realpath(root)
-        run_id = _meta_run_id(resuming_from) if own else None
+        run_id = run_id_of(resuming_from) if own else None
         if own:
             return None, run_id or new_run_id()
     if not existing:  # a new run; files of one that saved no checkpoint go to the archive
@@ -294,11 +294,3 @@ def _inputs(cfg: Any) -> frozenset:
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
-
-
-def _meta_run_id(checkpoint: str) -> Optional[str]:
-    try:
-        with open(os.path.join(checkpoint, "meta.json")) as f:
-            return json.load(f).get("run_id")
-    except (OSError, ValueError):
-        return None

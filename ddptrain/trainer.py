@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, resume, runfolder
+from ddptrain import dist, resume, runfolder, weights
 from ddptrain import offload, preflight
 from ddptrain.activation_offload import apply_offload
 from ddptrain.compile import apply_compile, compile_whole
@@ -355,12 +355,12 @@ class Trainer:
         metrics = p.last_eval if p.last_eval_step == p.step else {}
         meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
-        weights, header = ckpt.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
-        files = {"config.yaml": to_yaml(self.cfg)}
+        tensors, header = weights.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
+        files = {weights.WEIGHTS: lambda path: weights.save_weights(tensors, path, header),
+                 "config.yaml": to_yaml(self.cfg)}
         if self._folders:  # a resume may then name the same folder at another path
             files[resume.FOLDERS_FILE] = json.dumps(self._folders)
-        path = ckpt.save(self.ckpt_root, p.step, weights, *self._states(), meta, self.device,
-                         files=files, weights_metadata=header)
+        path = ckpt.save(self.ckpt_root, p.step, *self._states(), meta, self.device, files=files)
         self._last_saved_step = p.step
         if self.info.is_main:
             ckpt.prune(self.ckpt_root, c.keep_last, c.keep_best, c.best_metric, c.best_mode, p.run_id)
@@ -379,8 +379,8 @@ class Trainer:
         moved = resume.same_folders(diff, resume.saved_folders(path), self._folders)
         resume.check(diff, path, resume.refused_keys(self.cfg), moved)
         meta = ckpt.load(path, *self._states(), self.info.world_size, self.info.rank)
-        source, saved = ckpt.read_weights(path)
-        ckpt.apply_weights(self.module, source, saved, strict=True, expect=ckpt.resume_keys(self.module, source))
+        source, saved = weights.read_weights(path)
+        weights.apply_weights(self.module, source, saved, strict=True, expect=weights.resume_keys(self.module, source))
         if self.master:
             self.master.load_state_dict(saved, self.module)
         p.run_id = run_id  # a resume into another folder is a new run there

@@ -1,4 +1,5 @@
-"""Checkpoint files: weights round trip, readable mismatch diffs, failed saves, pruning."""
+"""Training-state folders: incomplete and damaged checkpoints named, failed saves agreed on by every
+rank, SHA256SUMS written and checked, pruning, the run id (weights files: tests/test_weights.py)."""
 
 from __future__ import annotations
 
@@ -6,66 +7,28 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch import nn
 
 import ddptrain
 from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 from _dist import run_ranks
 from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
-
-
-class Tied(nn.Module):
-    def __init__(self, vocab=10):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, 4)
-        self.out = nn.Linear(4, vocab)
-        self.out.weight = self.emb.weight  # tied weights must still save and load
-
-
-def test_weights_load_without_ddptrain(tmp_path):
-    model = Tied()
-    ckpt.save_weights(model, str(tmp_path / "m.safetensors"))
-    fresh = Tied()
-    fresh.load_state_dict(load_file(str(tmp_path / "m.safetensors")))  # plain safetensors + torch
-    assert torch.equal(fresh.emb.weight, model.emb.weight)
-
-
-def test_mismatch_is_refused_with_a_diff_unless_not_strict(tmp_path):
-    ckpt.save_weights(Tied(vocab=10), str(tmp_path / "m.safetensors"))
-    with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.load_weights(Tied(vocab=12), str(tmp_path / "m.safetensors"))
-    msg = str(err.value)
-    assert "shape mismatch" in msg and "emb.weight: checkpoint (10, 4) vs model (12, 4)" in msg
-    model = nn.Sequential(nn.Linear(4, 4))
-    with pytest.raises(ckpt.CheckpointError, match="(?s)missing in checkpoint.*unexpected in checkpoint"):
-        ckpt.load_weights(model, str(tmp_path / "m.safetensors"))
-    # strict=False: a new output vocabulary keeps the fitting tensors and skips the others
-    class Bigger(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.out = nn.Linear(4, 12)
-
-    source = Tied(vocab=10)
-    ckpt.save_weights(source, str(tmp_path / "m.safetensors"))
-    partial = Bigger()
-    report = ckpt.load_weights(partial, str(tmp_path / "m.safetensors"), strict=False)
-    assert report["loaded"] == 1 and torch.equal(partial.emb.weight, source.emb.weight)
-    assert sorted(m.split(":")[0] for m in report["mismatched"]) == ["out.bias", "out.weight"]
-
-
-def test_corrupt_weights_file_is_named(tmp_path):
-    path = tmp_path / "m.safetensors"
-    path.write_bytes(b"not a safetensors file")
-    with pytest.raises(ckpt.CheckpointError, match="cannot read weights.*m.safetensors"):
-        ckpt.load_weights(Tied(), str(path))
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "step_00000001").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="incomplete"):
         ckpt.read_meta(str(tmp_path / "step_00000001"))
+
+
+def test_run_id_of_reads_meta_json_and_says_none_when_it_cannot(tmp_path):
+    """The one reader of a checkpoint's run id, for saving, pruning and runfolder's resume."""
+    step = tmp_path / "step_00000001"
+    step.mkdir()
+    assert ckpt.run_id_of(str(step)) is None  # no meta.json
+    for text, want in (('{"run_id": "abc"}', "abc"), ('{"step": 1}', None), ("[1, 2]", None), ("{", None)):
+        (step / "meta.json").write_text(text)
+        assert ckpt.run_id_of(str(step)) == want, text
 
 
 @pytest.mark.parametrize("meta", [None, '{"world_size": ', '{"step": 3}'])
@@ -167,7 +130,7 @@ def test_a_checkpoint_corrupted_in_place_is_refused_and_auto_resume_falls_back(t
     root = tmp_path / "checkpoints"
     _corrupt_in_place(root / "step_00000004" / "model.safetensors")
     with pytest.raises(ckpt.CheckpointError, match=r"step_00000004.*model.safetensors.*changed after it was saved"):
-        ckpt.load_weights(FrameMLP(), str(root / "step_00000004"))
+        weights.load_weights(FrameMLP(), str(root / "step_00000004"))
     with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors.*changed after it was saved.*step_00000002"):
         _run(tmp_path / "b", f"checkpoint.resume={root / 'step_00000004'}")  # asked for by path: refused
     capsys.readouterr()
@@ -191,7 +154,7 @@ def test_checkpoints_saved_without_checksums_still_load_and_say_so(tmp_path, cap
     _run(tmp_path).fit()
     for step in (tmp_path / "checkpoints").iterdir():
         (step / ckpt.CHECKSUMS).unlink()  # as an older ddptrain wrote them
-    ckpt.load_weights(FrameMLP(), str(tmp_path))
+    weights.load_weights(FrameMLP(), str(tmp_path))
     capsys.readouterr()
     t = _run(tmp_path, "checkpoint.resume=auto", "trainer.max_steps=6")
     assert t.step == 4

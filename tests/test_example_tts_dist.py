@@ -168,7 +168,7 @@ def lora_runs(train: str, tmp, steps: int, stop: int, *extra) -> tuple[str, str]
 
 
 def assert_adapters_resume_exactly(whole: str, parts: str, steps: int, stop: int) -> None:
-    from ddptrain.checkpoint import weights_info
+    from ddptrain.weights import weights_info
 
     for run, step in ((whole, steps), (parts, stop), (parts, steps)):
         saved = weights(run, step)
@@ -204,7 +204,7 @@ def test_lora_on_a_checkpoint_folder_rebuilds_the_base_from_it(tmp_path):
                              f"checkpoint.base_model={folder}/model.safetensors")
     assert_adapters_resume_exactly(whole, parts, 4, 2)
     # base (from the folder the header names) + adapters compose into the trained model again
-    from ddptrain.checkpoint import weights_info
+    from ddptrain.weights import weights_info
 
     ckpt = os.path.join(parts, "checkpoints", "step_00000004")
     assert weights_info(ckpt)["base_model"] == os.path.abspath(f"{folder}/model.safetensors")

@@ -4,7 +4,7 @@ the recipes' and benchmarks' graph (examples/, bench/) is acyclic too, their lat
 Why: an import inside a function hides a cycle instead of breaking it (``checkpoint -> loading
 -> checkpoint`` worked only while one side imported late), and a cycle makes the order of
 imports matter: a module imported first from the other side finds its partner half-initialised.
-The fix is to move the shared piece to the module it belongs to (checkpoint_files.py,
+The fix is to move the shared piece to the module it belongs to (weights.py above checkpoint.py,
 preflight.py), not to import later.
 
 Read from the source (ast), nothing is imported: an ``import`` inside a function or method is
@@ -213,13 +213,22 @@ def test_python_m_ddptrain_tune_runs_once():
 
 def test_public_api_is_unchanged():
     import ddptrain
-    from ddptrain import checkpoint, tune
+    from ddptrain import checkpoint, lora, tune, weights
 
     for name in ddptrain.__all__:
         assert hasattr(ddptrain, name), name
     assert ddptrain.CheckpointError is checkpoint.CheckpointError
-    for name in ("find_latest", "list_complete", "weights_file", "weights_info", "resolve_base", "COMPLETE"):
+    for name in ("find_latest", "list_complete", "run_id_of", "COMPLETE"):
         assert hasattr(checkpoint, name), name
+    for name in ("weights_file", "weights_info", "resolve_base", "export_merged"):
+        assert hasattr(weights, name), name
+    for name in ("load_weights", "save_weights", "empty_weights", "load_pretrained"):
+        assert getattr(ddptrain, name) is getattr(weights, name), name
+    # one home per name (issue 29 item 5): no module re-exports the weights functions
+    for name in weights.__all__:
+        assert not hasattr(checkpoint, name) and not hasattr(lora, name), name
+    for gone in ("checkpoint_files.py", "loading.py"):
+        assert not (PACKAGE / gone).exists(), gone
     for name in tune.__all__:
         assert hasattr(tune, name), name
     for name in ("find_max_duration", "main", "load_recipe", "preflight", "before_fit", "PreflightError", "is_oom"):

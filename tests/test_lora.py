@@ -14,9 +14,9 @@ from torch import nn
 from safetensors.torch import load_file
 
 import ddptrain
-import ddptrain.loading
 from _dist import run_ranks
 from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 from ddptrain.lora import LoRALinear, apply_lora, lora_state_dict, merge_lora, merged_state_dict, unmerge_lora
 from test_trainer import make_cfg, params_of
 
@@ -255,7 +255,7 @@ def test_trainable_only_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_pa
     want = set(lora_state_dict(full.module)) | {"head.weight", "head.bias"}
     assert set(saved) == want  # the frozen base is not in it
     assert all(v.dtype == torch.float32 for v in saved.values())  # the fp32 masters
-    info = ckpt.weights_info(str(step4))
+    info = weights.weights_info(str(step4))
     assert info["trainable_only"] and info["base_model"] == os.path.abspath(base) and info["base_fingerprint"]
     assert set(info["lora_scalings"]) == set(full.adapted)
 
@@ -282,9 +282,7 @@ def test_load_weights_composes_base_and_adapters_and_export_merges_them(tmp_path
         want = trained(x.to(torch.bfloat16)).float()  # the bf16 model the run trained
 
     # a plain model of the base architecture, built on the meta device: base + adapters from the checkpoint
-    from ddptrain.loading import empty_weights
-
-    with empty_weights():
+    with weights.empty_weights():
         model = Tiny()
     ddptrain.load_weights(model, str(tmp_path / "run"), dtype=torch.float32)
     assert isinstance(model.blocks[0].q_proj, LoRALinear)
@@ -292,16 +290,14 @@ def test_load_weights_composes_base_and_adapters_and_export_merges_them(tmp_path
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(x), want, rtol=2e-2, atol=2e-2)  # trained in bf16
         exact = {k: v for k, v in model.state_dict().items()}
-    trained_fp32 = ckpt.read_weights(str(tmp_path / "run"))[1]
+    trained_fp32 = weights.read_weights(str(tmp_path / "run"))[1]
     assert all(torch.equal(exact[k], v) for k, v in trained_fp32.items())  # the masters, exactly
 
     # export: plain merged safetensors the base class loads
-    from ddptrain import lora
-
-    assert lora.main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--max-shard-gb", "1e-6"]) == 0
+    assert weights.main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--max-shard-gb", "1e-6"]) == 0
     assert (tmp_path / "merged" / "model.safetensors.index.json").exists()  # tiny shards: several files
     plain = Tiny()
-    ddptrain.loading.load_pretrained(plain, str(tmp_path / "merged"))
+    weights.load_pretrained(plain, str(tmp_path / "merged"))
     assert set(plain.state_dict()) == set(Tiny().state_dict())
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(x), model(x), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 from ddptrain.config import ConfigError
 from ddptrain.sharded_grads import IN_FLIGHT, ShardedGradReducer, plan_buckets
 
@@ -53,7 +53,7 @@ def loss_fn(model, batch):
     loss = (((pred.float() - batch["y"]) ** 2) * mask).sum()
     if batch.get("poison") is not None and batch["poison"].item():
         # finite loss, infinite gradient (d sqrt(s)/ds at s=0) for every parameter, on this rank only
-        loss = loss + torch.sqrt(sum((p - p.detach()).sum() for p in ckpt.unwrap(model).parameters())).float()
+        loss = loss + torch.sqrt(sum((p - p.detach()).sum() for p in weights.unwrap(model).parameters())).float()
     return loss, mask.sum()
 
 

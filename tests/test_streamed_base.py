@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 import ddptrain
 from _dist import run_ranks
-from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 from ddptrain.streamed_base import find_blocks, place_model
 from test_trainer import make_cfg
 
@@ -255,7 +255,7 @@ def test_checkpoints_hold_the_true_base_and_resume_exactly(tmp_path):
     only = ("checkpoint.trainable_only=true", f"checkpoint.base_model={path}")
     a = run(tmp_path / "a", 4, *only)
     b = run(tmp_path / "b", 4, *only, f"checkpoint.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000002'}")
-    assert ckpt.weights_info(str(tmp_path / "a" / "checkpoints" / "step_00000002"))["base_fingerprint"]
+    assert weights.weights_info(str(tmp_path / "a" / "checkpoints" / "step_00000002"))["base_fingerprint"]
     for k, v in a.module.state_dict().items():
         assert torch.equal(b.module.state_dict()[k], v), k
 

@@ -16,6 +16,7 @@ from torch import nn
 
 import ddptrain
 from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 from ddptrain.optim import is_zero
 
 from _dist import run_ranks
@@ -70,7 +71,7 @@ def make_cfg(tmp, *extra):
 
 
 def params_of(model):
-    return {k: v.detach().clone() for k, v in ckpt.unwrap(model).state_dict().items()}
+    return {k: v.detach().clone() for k, v in weights.unwrap(model).state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- equivalences
@@ -321,7 +322,7 @@ def test_consecutive_nonfinite_steps_abort(tmp_path):
         trainer.fit()
     assert trainer.step == 3  # aborted at the third step, after saving the last good state
     reloaded = FrameMLP()
-    ckpt.load_weights(reloaded, str(tmp_path / "checkpoints" / "step_00000003"))
+    weights.load_weights(reloaded, str(tmp_path / "checkpoints" / "step_00000003"))
     for k, v in params_of(reloaded).items():
         assert torch.equal(v, start[k]), "the saved state is not the last good (untouched) one"
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ddptrain
-from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 
 out_dir, fault = sys.argv[1], sys.argv[2]
 kind, fault_rank, fault_step = (fault.split(":") + ["", "-1", "-1"])[:3] if fault != "none" else ("none", "-1", "-1")
@@ -94,7 +94,7 @@ def loss_fn(model, batch):
 
 
 if kind == "killsave":
-    real_save = ckpt.save_weights
+    real_save = weights.save_weights
 
     def dying_save(m, path, *args, **kwargs):
         real_save(m, path, *args, **kwargs)
@@ -102,7 +102,7 @@ if kind == "killsave":
             fire()
             os.kill(os.getpid(), signal.SIGKILL)  # the folder is half written: no marker, still .tmp-
 
-    ckpt.save_weights = dying_save
+    weights.save_weights = dying_save
 
 trainer = ddptrain.Trainer(model, loss_fn, cfg, loader)
 trainer.fit()

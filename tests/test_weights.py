@@ -1,7 +1,9 @@
-"""ddptrain/loading.py: a model built on the meta device and filled tensor by tensor from local
-safetensors (one file, or Hugging Face shards) equals ``load_state_dict``; peak host memory
-stays near one bf16 copy (measured in a subprocess: its VmHWM), where the usual fp32 build +
-``load_file`` needs several; bad files and mismatches are named."""
+"""ddptrain/weights.py: weights files written and read whole (loadable without ddptrain; mismatches
+refused with a diff unless not strict; corrupt files named), and streamed: a model built on the
+meta device and filled tensor by tensor from local safetensors (one file, or Hugging Face shards)
+equals ``load_state_dict``; peak host memory stays near one bf16 copy (measured in a subprocess:
+its VmHWM), where the usual fp32 build + ``load_file`` needs several; bad files and mismatches are
+named; a checkpoint's file is checked against its SHA256SUMS by every reader."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ddptrain import checkpoint as ckpt
+from ddptrain import weights
 from ddptrain.checkpoint import CheckpointError
-from ddptrain.loading import SafetensorsSource, empty_weights, load_pretrained, write_shards
+from ddptrain.weights import SafetensorsSource, empty_weights, load_pretrained, write_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +41,59 @@ class Net(nn.Module):
     def forward(self, tok):
         h = self.body(self.emb(tok) + self.table.sum())
         return self.head(self.norm(h.transpose(1, 2)).transpose(1, 2))
+
+
+# ----------------------------------------------------------------------------- whole files
+
+
+class Tied(nn.Module):
+    def __init__(self, vocab=10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.out = nn.Linear(4, vocab)
+        self.out.weight = self.emb.weight  # tied weights must still save and load
+
+
+def test_weights_load_without_ddptrain(tmp_path):
+    model = Tied()
+    weights.save_weights(model, str(tmp_path / "m.safetensors"))
+    fresh = Tied()
+    fresh.load_state_dict(load_file(str(tmp_path / "m.safetensors")))  # plain safetensors + torch
+    assert torch.equal(fresh.emb.weight, model.emb.weight)
+
+
+def test_mismatch_is_refused_with_a_diff_unless_not_strict(tmp_path):
+    weights.save_weights(Tied(vocab=10), str(tmp_path / "m.safetensors"))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        weights.load_weights(Tied(vocab=12), str(tmp_path / "m.safetensors"))
+    msg = str(err.value)
+    assert "shape mismatch" in msg and "emb.weight: checkpoint (10, 4) vs model (12, 4)" in msg
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ckpt.CheckpointError, match="(?s)missing in checkpoint.*unexpected in checkpoint"):
+        weights.load_weights(model, str(tmp_path / "m.safetensors"))
+    # strict=False: a new output vocabulary keeps the fitting tensors and skips the others
+    class Bigger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 12)
+
+    source = Tied(vocab=10)
+    weights.save_weights(source, str(tmp_path / "m.safetensors"))
+    partial = Bigger()
+    report = weights.load_weights(partial, str(tmp_path / "m.safetensors"), strict=False)
+    assert report["loaded"] == 1 and torch.equal(partial.emb.weight, source.emb.weight)
+    assert sorted(m.split(":")[0] for m in report["mismatched"]) == ["out.bias", "out.weight"]
+
+
+def test_corrupt_weights_file_is_named(tmp_path):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    with pytest.raises(ckpt.CheckpointError, match="cannot read weights.*m.safetensors"):
+        weights.load_weights(Tied(), str(path))
+
+
+# ----------------------------------------------------------------------------- streamed, tensor by tensor
 
 
 def _saved(tmp_path, dtype=torch.float32):
@@ -115,7 +172,7 @@ _MEASURE = textwrap.dedent("""
     import sys, torch
     from torch import nn
     from safetensors.torch import load_file
-    from ddptrain.loading import empty_weights, load_pretrained
+    from ddptrain.weights import empty_weights, load_pretrained
     path, mode = sys.argv[1], sys.argv[2]
     def build():
         return nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(12)])
@@ -156,3 +213,27 @@ def test_peak_host_memory_stays_near_one_bf16_copy(tmp_path):
     mib = {k: f"{v / 2**20:.0f} MiB" for k, v in peak.items()}
     assert peak["ddptrain"] < 1.1 * bf16 + (16 << 20), f"{mib} for {bf16 / 2**20:.0f} MiB of bf16 weights"
     assert peak["usual"] > 2.5 * bf16, f"the usual path peaked at only {mib}"
+
+
+def test_every_reader_checks_a_checkpoints_file_against_its_checksums(tmp_path):
+    """load_weights checked SHA256SUMS; the streamed readers (load_pretrained, the export) read a
+    checkpoint's damaged file without a word."""
+    ref, _ = _saved(tmp_path)
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True)
+    weights.save_weights(ref, str(step / "model.safetensors"))
+    sums = ckpt.sha256_files([str(step / "model.safetensors")])
+    (step / ckpt.CHECKSUMS).write_text("".join(f"{d}  {os.path.basename(p)}\n" for p, d in sums.items()))
+    (step / ckpt.COMPLETE).write_text("ok\n")
+    with open(step / "model.safetensors", "r+b") as f:  # the last byte: tensor data, the header still valid
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    damaged = r"step_00000002 is damaged: model.safetensors.*changed after it was saved"
+    for read in (lambda: load_pretrained(Net(), str(step)), lambda: load_pretrained(Net(), str(tmp_path / "run")),
+                 lambda: weights.export_merged(str(step), str(tmp_path / "out")),
+                 lambda: weights.load_weights(Net(), str(step))):
+        with pytest.raises(CheckpointError, match=damaged):
+            read()
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,663 @@
+"""Weights files: every read and write of model weights, whole or streamed, and their exports.
+
+One module owns the safetensors files ddptrain reads and writes: a checkpoint's
+``model.safetensors`` (:func:`weights_to_save` + :func:`save_weights`, read back with
+:func:`read_weights` / :func:`load_weights`), pretrained weights streamed into a model built
+without storage (:func:`empty_weights` + :func:`load_pretrained`), and exports as plain or
+Hugging Face sharded files (:func:`write_shards`, :func:`export_merged`: a LoRA checkpoint's
+adapters merged into its base)::
+
+    python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16]
+
+Why it sits above checkpoint.py: a weights path may name a checkpoint or a run folder (its
+newest complete checkpoint), and a file in a checkpoint is checked against the folder's
+``SHA256SUMS`` before it is read, so this module asks checkpoint.py about folders. checkpoint.py
+never imports it: it writes ``model.safetensors`` by calling the writer the Trainer hands it
+(:func:`save_weights` of :func:`weights_to_save`'s tensors), so neither needs a third module
+of shared layout facts between them.
+
+Loading large weights: the usual way, ``model = Model(config)`` then
+``model.load_state_dict(load_file(path))``, holds three copies at its peak: the randomly
+initialised fp32 model (4 B/param: 41 GB for 10.3B parameters), the loaded state dict, and the
+bf16 cast. Here the model is built without storage and filled tensor by tensor::
+
+    from ddptrain.weights import empty_weights, load_pretrained
+
+    with empty_weights():                 # parameters on the meta device: no memory, no init
+        model = MyModel(config)
+    load_pretrained(model, "/models/glm-4-9b", dtype=torch.bfloat16, device="cuda")
+
+Each parameter is allocated in its final dtype on its final device and read straight into
+(a CPU target) or through one tensor-sized host buffer (a GPU target), so host memory peaks at
+about one bf16 copy for a CPU model and one tensor for a GPU one. Buffers are built normally
+inside :func:`empty_weights` (non-persistent ones, e.g. rotary tables, are not in checkpoints).
+
+Why not ``safetensors.safe_open``: it memory-maps the file, and every page read stays resident
+in the process until the file is closed (measured: reading a 200 MB file tensor by tensor
+raised peak RSS by 200 MB on top of the copies). The format is simple (8-byte little-endian
+header length, JSON header with each tensor's dtype, shape and offsets and ``__metadata__``,
+raw little-endian bytes), so :func:`read_header` and :class:`SafetensorsSource` read it with
+plain reads into each tensor's destination.
+
+Sources: one ``.safetensors`` file, a folder with ``model.safetensors``, a Hugging Face folder
+of shards (``model.safetensors.index.json``), or a ddptrain checkpoint or run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import sys
+from typing import Callable, Iterable, Iterator, Optional, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ddptrain.checkpoint import CheckpointError, checkpoint_root, ensure_intact, find_latest
+from ddptrain.lora import add_adapters, lora_scalings, merge_tensors
+from ddptrain.precision import kept_fp32
+
+WEIGHTS = "model.safetensors"  # a checkpoint's weights file (and a Hugging Face folder's single file)
+INDEX = "model.safetensors.index.json"  # a Hugging Face folder of shards
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+# A trainable-only weights file (checkpoint.trainable_only) says so in its safetensors header:
+HEADER_TRAINABLE_ONLY = "ddptrain.trainable_only"
+HEADER_BASE_MODEL = "ddptrain.base_model"
+HEADER_BASE_FINGERPRINT = "ddptrain.base_fingerprint"
+HEADER_LORA_SCALINGS = "ddptrain.lora_scalings"
+
+__all__ = ["WEIGHTS", "DTYPES", "unwrap", "weights_file", "read_header", "weights_info", "resolve_base",
+           "save_weights", "trainable_keys", "base_fingerprint", "weights_to_save", "read_weights", "load_weights",
+           "apply_weights", "resume_keys", "SafetensorsSource", "empty_weights", "load_pretrained", "write_shards",
+           "export_merged", "main"]
+
+
+# ----------------------------------------------------------------------------- paths and headers
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / torch.compile wrappers."""
+    while True:
+        if hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def weights_file(path: str) -> str:
+    """The weights file ``path`` names: the file itself, a checkpoint folder's
+    ``model.safetensors``, or that of a run folder's newest complete checkpoint.
+
+    Raises:
+        CheckpointError: no such file.
+    """
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, WEIGHTS)):
+        latest = find_latest(checkpoint_root(path))  # a run folder: its newest complete checkpoint
+        path = latest if latest else path
+    if os.path.isdir(path):
+        path = os.path.join(path, WEIGHTS)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"weights file not found: {path}")
+    return path
+
+
+def read_header(file: str) -> tuple[dict, dict, int]:
+    """``(tensors, metadata, data_start)`` of one safetensors file: each tensor's header entry
+    (``dtype``, ``shape``, ``data_offsets`` from ``data_start``) by name, and ``__metadata__``.
+
+    Raises:
+        CheckpointError: the file is missing or not a safetensors file.
+    """
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.path.getsize(file) - 8:
+                raise ValueError(f"header length {n} exceeds the file: not a safetensors file")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise CheckpointError(f"cannot read weights {file}: {type(e).__name__}: {e}") from e
+    metadata = header.pop("__metadata__", None) or {}
+    return header, metadata, 8 + n
+
+
+def weights_info(path: str) -> dict:
+    """What a weights file's header says: ``trainable_only``, ``base_model``,
+    ``base_fingerprint``, ``lora_scalings`` (layer -> alpha / r)."""
+    meta = read_header(weights_file(path))[1]
+    return {"trainable_only": meta.get(HEADER_TRAINABLE_ONLY) == "true", "base_model": meta.get(HEADER_BASE_MODEL, ""),
+            "base_fingerprint": meta.get(HEADER_BASE_FINGERPRINT, ""),
+            "lora_scalings": json.loads(meta.get(HEADER_LORA_SCALINGS, "{}"))}
+
+
+def resolve_base(base: str, file: str) -> str:
+    """The base model a trainable-only ``file`` names, checked to exist.
+
+    Raises:
+        CheckpointError: it does not (moved or deleted): pass ``base=`` to ``load_weights``.
+    """
+    if not base or not os.path.exists(base):
+        raise CheckpointError(f"{file} holds the trainable parameters only; its base model {base!r} is not there. "
+                              "Pass the base weights: ddptrain.load_weights(model, path, base=...)")
+    return base
+
+
+# ----------------------------------------------------------------------------- whole files: save
+
+
+def save_weights(model: Union[nn.Module, dict], path: str, metadata: Optional[dict] = None) -> None:
+    """Model weights (a module, or a state dict) as safetensors. Tied (shared) tensors are stored
+    as separate copies so the file loads with plain ``safetensors.torch.load_file`` +
+    ``load_state_dict``. ``metadata``: extra string entries for the file's header (see
+    :func:`weights_to_save`)."""
+    state, seen = {}, set()
+    weights = model if isinstance(model, dict) else unwrap(model).state_dict()
+    for k, v in weights.items():
+        t = v.detach()
+        if t.data_ptr() in seen and t.numel() > 0:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        state[k] = t.to("cpu").contiguous()
+    save_file(state, path, metadata={"format": "pt", "writer": "ddptrain", **(metadata or {})})
+
+
+def trainable_keys(module: nn.Module) -> set:
+    """The state-dict keys of the trainable parameters and of every persistent buffer (buffers
+    such as BatchNorm statistics change in training whether or not their module is frozen)."""
+    module = unwrap(module)
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    trainable = {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return trainable | (set(module.state_dict()) - params)
+
+
+@torch.no_grad()
+def base_fingerprint(module: nn.Module) -> str:
+    """A cheap fingerprint of the frozen parameters (names, shapes and the bf16-rounded sum of the
+    first 1024 values of each): enough to tell that a resume runs on another base model."""
+    frozen = [(n, p) for n, p in sorted(unwrap(module).named_parameters()) if not p.requires_grad]
+    if not frozen:
+        return ""
+    sums = torch.stack([p.detach().reshape(-1)[:1024].to(torch.bfloat16).double().sum() for _, p in frozen]).tolist()
+    text = ";".join(f"{n}{tuple(p.shape)}={v:.6e}" for (n, p), v in zip(frozen, sums))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def weights_to_save(module: nn.Module, master=None, trainable_only: bool = False,
+                    base_model: str = "") -> tuple[dict, dict]:
+    """``(tensors, header entries)`` a checkpoint saves as its ``model.safetensors``.
+
+    Args:
+        module: the (unwrapped) model.
+        master: its master weights, if any (their ``state_dict(module)``: fp32 masters).
+        trainable_only: keep only :func:`trainable_keys`; the header names ``base_model``
+            (absolute path) and the frozen weights' :func:`base_fingerprint`.
+        base_model: where the frozen weights come from.
+    """
+    weights = master.state_dict(module) if master is not None else module.state_dict()
+    header = {}
+    scalings = lora_scalings(module)
+    if scalings:  # lets load_weights add the adapters to a plain model, and export merge them
+        header[HEADER_LORA_SCALINGS] = json.dumps(scalings)
+    if trainable_only:
+        keep = trainable_keys(module)
+        weights = {k: v for k, v in weights.items() if k in keep}
+        header.update({HEADER_TRAINABLE_ONLY: "true", HEADER_BASE_MODEL: os.path.abspath(base_model),
+                       HEADER_BASE_FINGERPRINT: base_fingerprint(module)})
+    return weights, header
+
+
+# ----------------------------------------------------------------------------- whole files: load
+
+
+def read_weights(path: str) -> tuple[str, dict]:
+    """``(file, tensors by name)`` of saved weights: ``path`` is a file, a checkpoint folder or
+    a run folder, as in :func:`load_weights`.
+
+    Raises:
+        CheckpointError: file missing or unreadable.
+    """
+    path = weights_file(path)
+    ensure_intact(path)
+    try:
+        return path, load_file(path)
+    except Exception as e:
+        raise CheckpointError(f"cannot read weights {path}: {e}") from e
+
+
+def load_weights(model: nn.Module, path: str, strict: bool = True, base: Optional[str] = None,
+                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> dict:
+    """Load safetensors weights (a file, or a checkpoint folder) into ``model``.
+
+    A trainable-only checkpoint (``checkpoint.trainable_only``) is composed: first its base
+    model, read tensor by tensor (:func:`load_pretrained`; a model built with
+    ``empty_weights()`` is allocated in ``dtype`` on ``device`` here), then the checkpoint's own
+    tensors. The LoRA adapters a checkpoint holds are added to a model that has none yet
+    (layers and scalings from the file's header).
+
+    Args:
+        path: a ``.safetensors`` file, a checkpoint folder holding ``model.safetensors``, or a
+            run folder (its newest complete checkpoint is used).
+        strict: if False, load what matches (name and shape) and report the rest: the partial
+            initialisation used for fine-tuning with, say, a new output vocabulary.
+        base: the base model of a trainable-only checkpoint, if not where the checkpoint says.
+        dtype, device: for tensors allocated while loading the base (meta models).
+
+    Returns:
+        ``{"missing": [...], "unexpected": [...], "mismatched": [...], "loaded": n}``.
+
+    Raises:
+        CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
+            readable diff; a trainable-only checkpoint whose base model cannot be found.
+    """
+    file = weights_file(path)
+    info = weights_info(file)
+    source, saved = read_weights(file)
+    target = unwrap(model)
+    if not info["trainable_only"]:
+        add_adapters(target, info["lora_scalings"], saved)  # a LoRA run's full checkpoint into a plain model
+        return apply_weights(target, source, saved, strict=strict)
+    base_report = load_pretrained(target, base or resolve_base(info["base_model"], file), dtype=dtype,
+                                  device=device, strict=False, skip=saved)
+    add_adapters(target, info["lora_scalings"], saved)
+    need = set(saved) | set(base_report["missing"]) if strict else None  # what the base did not provide
+    report = apply_weights(target, source, saved, strict=strict, expect=need)
+    if strict and base_report["unexpected"]:
+        raise CheckpointError(f"base model of {file} has tensors this model lacks: {base_report['unexpected'][:20]}")
+    return report
+
+
+def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = True,
+                  expect: Optional[set] = None) -> dict:
+    """The second half of :func:`load_weights`: put tensors already read from ``source`` (named
+    in messages) into ``model``, with the same checks, report and errors.
+
+    Args:
+        expect: the keys ``saved`` must hold (default: all of the model's); a trainable-only
+            checkpoint passes :func:`trainable_keys` (see :func:`resume_keys`).
+    """
+    target = unwrap(model)
+    own = target.state_dict()
+    missing = sorted((set(own) if expect is None else set(expect)) - set(saved))
+    unexpected = sorted(set(saved) - set(own))
+    mismatched = sorted(
+        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in set(own) & set(saved) if saved[k].shape != own[k].shape)
+    report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
+    if strict and (missing or unexpected or mismatched):
+        lines = [f"weights in {source} do not fit the model (pass strict=False to load what fits):"]
+        for title, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                             ("shape mismatch", mismatched)):
+            if items:
+                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(shown))
+        raise CheckpointError("\n".join(lines))
+    bad = {m.split(":")[0] for m in mismatched}
+    loadable = {k: v for k, v in saved.items() if k in own and k not in bad}
+    target.load_state_dict(loadable, strict=False)
+    report["loaded"] = len(loadable)
+    return report
+
+
+def resume_keys(module: nn.Module, file: str) -> Optional[set]:
+    """The keys a resume must find in ``file``: all (None) for a full checkpoint; the trainable
+    ones for a trainable-only checkpoint, after checking the model's frozen weights are the
+    base it was trained on.
+
+    Raises:
+        CheckpointError: the frozen weights differ from the checkpoint's base model.
+    """
+    info = weights_info(file)
+    if not info["trainable_only"]:
+        return None
+    now = base_fingerprint(module)
+    if info["base_fingerprint"] != now:
+        raise CheckpointError(f"{file} was trained on the frozen weights of {info['base_model']!r} (fingerprint "
+                              f"{info['base_fingerprint']}); this model's frozen weights differ ({now}): load that "
+                              "base model before resuming")
+    return trainable_keys(module)
+
+
+# ----------------------------------------------------------------------------- streamed: tensor by tensor
+
+
+def _files(path: str) -> list[str]:
+    """The safetensors files a path names (see the module docstring)."""
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"cannot read the shard index {index}: {type(e).__name__}: {e}") from e
+            return [os.path.join(path, s) for s in shards]
+        if os.path.isfile(os.path.join(path, WEIGHTS)):
+            return [os.path.join(path, WEIGHTS)]
+        return [weights_file(path)]  # a checkpoint or run folder (raises if there are no weights)
+    raise CheckpointError(f"weights not found: {path}")
+
+
+class SafetensorsSource:
+    """The tensors of safetensors file(s), read one at a time with plain file reads.
+
+    Args:
+        path: a file, a folder with ``model.safetensors`` or ``model.safetensors.index.json``,
+            or a ddptrain checkpoint / run folder.
+
+    Raises:
+        CheckpointError: a missing or malformed file (the message names it).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.entries: dict[str, tuple[str, torch.dtype, tuple, int, int]] = {}  # name -> file, dtype, shape, start, end
+        self.metadata: dict[str, str] = {}
+        self._handles: dict[str, object] = {}
+        for file in _files(path):
+            ensure_intact(file)  # a checkpoint's file is checked against its SHA256SUMS, as read_weights does
+            header, metadata, base = read_header(file)
+            self.metadata.update(metadata)
+            for name, e in header.items():
+                if e["dtype"] not in _ST_DTYPES:
+                    raise CheckpointError(f"{file}: tensor {name} has dtype {e['dtype']}, which ddptrain cannot read")
+                begin, end = e["data_offsets"]
+                self.entries[name] = (file, _ST_DTYPES[e["dtype"]], tuple(e["shape"]), base + begin, base + end)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple:
+        return self.entries[name][2]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][1]
+
+    def _read(self, name: str, out: torch.Tensor) -> None:
+        file, _, _, start, end = self.entries[name]
+        f = self._handles.get(file)
+        if f is None:
+            f = self._handles[file] = open(file, "rb", buffering=0)
+        view = out.reshape(-1).view(torch.uint8).numpy() if out.numel() else None
+        if view is None:
+            return
+        f.seek(start)
+        done = 0
+        while done < end - start:  # readinto may return less than asked for
+            got = f.readinto(view[done:])
+            if not got:
+                raise CheckpointError(f"{file}: tensor {name} is cut short ({done} of {end - start} bytes)")
+            done += got
+
+    def get(self, name: str) -> torch.Tensor:
+        """A new CPU tensor holding ``name`` as stored."""
+        _, dtype, shape, _, _ = self.entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        self._read(name, out)
+        return out
+
+    @torch.no_grad()
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill ``out`` (any device and dtype, the stored shape) with tensor ``name``: straight
+        into a contiguous CPU tensor of the stored dtype, else through one host buffer."""
+        _, dtype, shape, _, _ = self.entries[name]
+        if tuple(out.shape) != shape:
+            raise CheckpointError(f"{self.path}: tensor {name} has shape {shape}, the model's has {tuple(out.shape)}")
+        if out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous():
+            self._read(name, out)
+        else:
+            out.copy_(self.get(name))
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+    def __enter__(self) -> "SafetensorsSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build modules with their parameters on the meta device (no memory, no initialisation
+    cost); buffers are built as usual. Fill them with :func:`load_pretrained`."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _slots(model: nn.Module) -> dict[int, list]:
+    """``id(tensor) -> [(state-dict key, module, attribute, is_parameter)]``: tied tensors share an entry."""
+    slots: dict[int, list] = {}
+    prefix = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    for module, name in prefix.items():
+        for attr, t in module._parameters.items():
+            if t is not None:
+                slots.setdefault(id(t), []).append((f"{name}.{attr}" if name else attr, module, attr, True))
+        for attr, t in module._buffers.items():
+            if t is not None and attr not in module._non_persistent_buffers_set:
+                slots.setdefault(id(t), []).append((f"{name}.{attr}" if name else attr, module, attr, False))
+    return slots
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, path: str, *, dtype: Optional[torch.dtype] = None,
+                    device: Union[str, torch.device, None] = None, strict: bool = True,
+                    skip: Iterable[str] = (), rename: Optional[Callable[[str], Optional[str]]] = None) -> dict:
+    """Fill ``model``'s parameters and persistent buffers from safetensors, one tensor at a time.
+
+    Parameters on the meta device (:func:`empty_weights`) are allocated here, in ``dtype``
+    (floating tensors; BatchNorm-type modules stay fp32, as ``trainer.param_dtype: bf16`` keeps
+    them) on ``device``; tensors that already have storage are copied into in place, keeping
+    their dtype and device. Tied parameters stay tied (one tensor, loaded once).
+
+    Args:
+        model: the model (not wrapped in DDP).
+        path: see :class:`SafetensorsSource`.
+        dtype: the dtype of floating tensors allocated here (default: as the model declares).
+        device: where tensors allocated here go (default: CPU).
+        strict: a model tensor the file lacks, or a file tensor the model lacks, is an error
+            (shape mismatches always are).
+        skip: state-dict keys not to load (and not to miss): they come from elsewhere, e.g. a
+            trainable-only checkpoint's own tensors. Meta ones are allocated, uninitialised.
+        rename: maps a file key to the model key it fills (None: ignore it), e.g. for another
+            library's naming.
+
+    Returns:
+        ``{"loaded": n, "missing": [...], "unexpected": [...], "bytes": b}``.
+
+    Raises:
+        CheckpointError: missing/unexpected keys (strict), a shape mismatch, a parameter left on
+            the meta device, or an unreadable file.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    keep32 = kept_fp32(model)
+    skip = set(skip)
+    loaded = nbytes = 0
+    missing: list[str] = []
+    with SafetensorsSource(path) as src:
+        by_model_key = {}
+        for k in src.keys():
+            target = rename(k) if rename else k
+            if target is not None:
+                by_model_key[target] = k
+        used = set()  # file keys accounted for
+        for slot in _slots(model).values():
+            keys = [s[0] for s in slot]
+            file_keys = [by_model_key[k] for k in keys if k in by_model_key]
+            used.update(file_keys)  # a tied tensor stored under both names is read once
+            skipped = any(k in skip for k in keys)
+            if not file_keys and not skipped:
+                missing += keys
+                continue
+            _, module, attr, is_param = slot[0]
+            old = module._parameters[attr] if is_param else module._buffers[attr]
+            if old.is_meta:  # allocate it (a skipped one too: its caller fills it), in its final dtype
+                want = old.dtype
+                if old.is_floating_point():
+                    want = torch.float32 if id(old) in keep32 else dtype or old.dtype
+                new = torch.empty(old.shape, dtype=want, device=device)
+                if not skipped:
+                    src.read_into(file_keys[0], new)
+                nbytes += new.numel() * new.element_size()
+                new = nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
+                for _, m, a, p in slot:
+                    (m._parameters if p else m._buffers)[a] = new
+            elif not skipped:
+                src.read_into(file_keys[0], old)
+                nbytes += old.numel() * old.element_size()
+            loaded += not skipped
+        unexpected = sorted(set(by_model_key.values()) - used)
+    if strict and (missing or unexpected):
+        lines = [f"weights in {path} do not fit the model (strict=False loads what fits):"]
+        for title, names in (("missing in the file", sorted(missing)), ("not in the model", unexpected)):
+            if names:
+                more = " ..." if len(names) > 20 else ""
+                lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + more)
+        raise CheckpointError("\n".join(lines))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"after loading {path}, {len(left)} tensors are still on the meta device (not in the file): "
+                     f"{left[:10]}; initialise them before training")
+    return {"loaded": loaded, "missing": sorted(missing), "unexpected": unexpected, "bytes": nbytes}
+
+# ----------------------------------------------------------------------------- exports
+
+
+def write_shards(items: Iterable[tuple[str, torch.Tensor]], out_dir: str, max_shard_bytes: int,
+                 metadata: Optional[dict] = None) -> list[str]:
+    """Write ``(name, tensor)`` pairs as safetensors shards of at most ``max_shard_bytes`` (a
+    single tensor may exceed it), holding one shard in memory at a time.
+
+    One shard is ``model.safetensors``; several are ``model-0000k-of-0000n.safetensors`` with
+    ``model.safetensors.index.json``: the layout Hugging Face ``from_pretrained`` reads.
+
+    Returns:
+        The paths written.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    parts, shard, size, total, weight_map = [], {}, 0, 0, {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            tmp = os.path.join(out_dir, f".part-{len(parts):05d}.safetensors")
+            save_file(shard, tmp, metadata=meta)
+            parts.append((tmp, list(shard)))
+            shard, size = {}, 0
+
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if shard and size + n > max_shard_bytes:
+            flush()
+        shard[name] = t.detach().to("cpu").contiguous()
+        size += n
+        total += n
+    flush()
+    if len(parts) == 1:
+        final = os.path.join(out_dir, "model.safetensors")
+        os.replace(parts[0][0], final)
+        return [final]
+    files = []
+    for i, (tmp, names) in enumerate(parts):
+        final = os.path.join(out_dir, f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors")
+        os.replace(tmp, final)
+        files.append(final)
+        weight_map.update(dict.fromkeys(names, os.path.basename(final)))
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return files + [os.path.join(out_dir, INDEX)]
+
+
+def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, max_shard_gb: float = 5.0) -> list[str]:
+    """Write a checkpoint's weights with the adapters merged in, as plain safetensors shards.
+
+    The result has the base model's tensor names only (Hugging Face layout: ``model.safetensors``,
+    or ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` above
+    ``max_shard_gb``), so the base model's own code loads it. A trainable-only checkpoint's base
+    weights are read from the path it names, tensor by tensor: memory stays near one shard.
+
+    Args:
+        checkpoint: a checkpoint folder, a run folder or a ``model.safetensors`` file.
+        out_dir: the folder to write (created).
+        dtype: ``bf16`` | ``fp16`` | ``fp32`` for every floating tensor; default: as stored.
+        max_shard_gb: the largest shard, in GB (1e9 bytes).
+
+    Returns:
+        The files written.
+
+    Raises:
+        ddptrain.CheckpointError: the checkpoint or its base model cannot be read.
+    """
+    file = weights_file(checkpoint)
+    info = weights_info(file)
+    cast = DTYPES[dtype] if dtype else None
+    with SafetensorsSource(file) as own:
+        adapter = {k: own.get(k) for k in own.keys()}  # the trainable part: small
+    scalings = info.get("lora_scalings", {})
+    base = SafetensorsSource(resolve_base(info["base_model"], file)) if info.get("trainable_only") else None
+
+    def merged():
+        layers = {k[: -len(".lora_A")] for k in adapter if k.endswith(".lora_A")}
+        names = base.keys() if base else [k for k in adapter if not k.endswith((".lora_A", ".lora_B"))]
+        for name in names:
+            t = adapter[name] if name in adapter else base.get(name)  # trained tensors win over the base
+            layer = name[: -len(".weight")] if name.endswith(".weight") else None
+            if layer in layers:
+                t = merge_tensors({name: t, f"{layer}.lora_A": adapter[f"{layer}.lora_A"],
+                                   f"{layer}.lora_B": adapter[f"{layer}.lora_B"]}, scalings)[name]
+            yield name, (t.to(cast) if cast is not None and t.is_floating_point() else t)
+
+    try:
+        return write_shards(merged(), out_dir, int(max_shard_gb * 1e9),
+                            metadata={"format": "pt", "writer": "ddptrain.weights export", "source": file})
+    finally:
+        if base is not None:
+            base.close()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddptrain.weights",
+                                description="Weights tools. export: a checkpoint's weights, LoRA adapters merged in, as "
+                                            "plain safetensors (the base model's names and layout).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write a checkpoint's weights (adapters merged into its base) as safetensors")
+    e.add_argument("checkpoint", help="checkpoint folder, run folder or model.safetensors")
+    e.add_argument("out_dir", help="output folder")
+    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
+    e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output file (GB)")
+    args = p.parse_args(argv)
+    files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb)
+    print(json.dumps({"written": files}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
