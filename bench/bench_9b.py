@@ -61,7 +61,7 @@ sys.path[:0] = [p for p in (ROOT, HERE) if p not in sys.path]
 import ddptrain  # noqa: E402
 from ddptrain.losses import causal_lm_loss  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
-from measure import cap_gpu_memory, gather, mem_reset, peak_gb, sync, world  # noqa: E402
+from measure import append_row, cap_gpu_memory, gather, mem_reset, peak_gb, sync, world  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}
 TOKENS = {"image_start": 151339, "image_end": 151340, "image": 151343, "video": 151344}
@@ -330,28 +330,20 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
                 import peft  # noqa: F401
             except ImportError:
                 row = {"workload": "glm4v_9b", "name": name, "peer": "hf_peft", "skipped": "peft is not installed"}
-                _append(out, row)
+                append_row(out, row)
                 return 0
             row = run_hf_peft(name, job, preset, warmup, steps, tmp)
         else:
             row = run_ddptrain(name, job, preset, warmup, steps, tmp)
     except Exception as e:  # an error row, and exit status 1 (bench/gpu_session.py's convention)
-        _append(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
+        append_row(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
                       "gpu_memory_gb": GPU_MEMORY_GB or None, "error": f"{type(e).__name__}: {e}"[:2000]})
         raise
     if world()[0] == 0:
-        _append(out, row)
+        append_row(out, row)
         print(json.dumps({k: row[k] for k in ("name", "tokens_per_s", "mfu", "peak_alloc_gib") if k in row}))
     ddptrain.dist.teardown()  # a multi-rank job leaves its process group as the examples do
     return 0
-
-
-def _append(path: str, row: dict) -> None:
-    if world()[0] != 0:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
@@ -377,7 +369,7 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
             rc = subprocess.run(cmd, env=job_env, timeout=timeout * (3 if dry else 1)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-            _append(out, {"workload": "glm4v", "name": name, "gpu_memory_gb": GPU_MEMORY_GB or None,
+            append_row(out, {"workload": "glm4v", "name": name, "gpu_memory_gb": GPU_MEMORY_GB or None,
                           "error": f"timed out after {timeout}s"})
         print(f"[bench_9b] {name}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
         failed += rc != 0

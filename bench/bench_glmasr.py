@@ -74,7 +74,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -89,7 +88,8 @@ import finetune_glmasr as fg  # noqa: E402
 import ddptrain  # noqa: E402
 from ddptrain.data import SyntheticCorpus  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
-from measure import TimedLoss, cap_gpu_memory, device, mem_reset, peak_gb, peer_row, sync  # noqa: E402
+from measure import (TimedLoss, append_row, cap_gpu_memory, device, mem_reset, named_peers, peak_gb,  # noqa: E402
+                     peer_row, sync)
 
 SR = 16000
 OVERRIDES = {
@@ -545,10 +545,8 @@ def main(argv=None) -> int:
         with open(args.row, "w") as f:
             json.dump(row, f)
         return 0
-    named = dict(o.split("=", 1) for o in args.ov)
-    for name, ov in named.items():
-        OVERRIDES[name] = re.split(r",(?![^\[]*\])", ov)  # not at the commas of a [list] value
-    peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
+    peers = named_peers(args.peers, args.ov, OVERRIDES)
+    named = [o.split("=", 1)[0] for o in args.ov]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for peer in peers:
@@ -571,9 +569,7 @@ def main(argv=None) -> int:
             failed += not ok
             line = json.dumps(row)
             print(line if ok else line[:2000], flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            append_row(args.out, row)
     print(f"{'peer':<26}{'workload':<14}{'samples/s':>10}{'audio s/s':>11}{'peak GB':>9}{'MFU':>7}")
     if args.out:
         rows = [json.loads(x) for x in open(args.out)][-len(peers):]

@@ -67,8 +67,8 @@ sys.path[:0] = [p for p in (HERE, os.path.join(HERE, "..", "examples")) if p not
 
 from ddptrain.data import SyntheticCorpus  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
-from measure import (Interleave, TimedLoss, cap_gpu_memory, device, mem_reset, peak_gb, peer_row, sync,  # noqa: E402
-                     world)
+from measure import (Interleave, TimedLoss, append_row, cap_gpu_memory, device, mem_reset,  # noqa: E402
+                     named_peers, peak_gb, peer_row, sync, world)
 
 # lognormal durations (median 5 s, clipped 1-15 s), ~3.5 text ids a second of audio
 CORPUS = SyntheticCorpus(median_s=5.0, sigma=0.5, min_s=1.0, max_s=15.0, tokens_per_s=3.5, token_jitter=0.2,
@@ -364,20 +364,17 @@ def main(argv=None) -> int:
 
         ddptrain.dist.teardown()  # a collection, a barrier, then the group: no abort at exit
         return 0
-    named = dict(o.split("=", 1) for o in args.ov)
-    OVERRIDES.update({k: v.split(",") for k, v in named.items()})
-    peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
+    peers = named_peers(args.peers, args.ov, OVERRIDES)
+    named = [o.split("=", 1)[0] for o in args.ov]
     failed = 0
     for peer in peers:
         if args.inline:  # no subprocess: no time limit either, for the dry run's few steps
             with tempfile.TemporaryDirectory() as tmp:
-                args.peer, args.tmp = peer, tmp
+                args.peer, args.tmp, args.ov = peer, tmp, []  # a named peer's overrides are in OVERRIDES
                 row = run_one(args)
             args.peer = None
             print(json.dumps(row)[:3000], flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            append_row(args.out, row)
             continue
         with tempfile.TemporaryDirectory() as tmp:
             row_file = os.path.join(tmp, "row.json")
@@ -399,9 +396,7 @@ def main(argv=None) -> int:
         row["wall_s"] = round(time.time() - tic, 1)
         failed += not ok
         print(json.dumps(row)[:3000], flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_row(args.out, row)
     return 1 if failed else 0
 
 

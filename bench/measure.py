@@ -15,6 +15,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -243,6 +244,26 @@ class TimedLoss:
         if len(t) == n:
             t.append(end)
         return t[-1] - t[0], [s for _, s in self.calls[w:w + n]], [b - a for a, b in zip(t, t[1:])]
+
+
+def append_row(path: str, row: dict) -> None:
+    """Appends ``row`` as one JSON line to ``path`` (its folder made if needed); rank 0 only, so
+    the ranks of one run write one row."""
+    if not path or world()[0] != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def named_peers(peers: str, ov: list, overrides: dict) -> list:
+    """The peers to run: ``peers`` (comma-separated) + each ``--ov NAME=k=v,k=[a,b]`` as a peer
+    ``NAME`` whose overrides (split at the commas outside ``[...]``) go into ``overrides``."""
+    named = dict(o.split("=", 1) for o in ov)
+    for name, value in named.items():
+        overrides[name] = re.split(r",(?![^\[]*\])", value)
+    listed = [x for x in peers.split(",") if x]
+    return listed + [x for x in named if x not in listed]
 
 
 def peer_row(cmd: list, row_file: str, timeout: float, env: Optional[dict] = None, **keys) -> tuple[bool, dict]:

@@ -176,3 +176,16 @@ def test_timed_loss_windows_the_timed_steps():
     assert elapsed == t[3] - t[1] and stats == [{"n": 1}, {"n": 2}] and steps == [t[2] - t[1], t[3] - t[2]]
     elapsed, stats, steps = timed.window(2, 2, end=t[3] + 5.0)  # the last step closed by the caller's clock
     assert elapsed == t[3] + 5.0 - t[2] and stats == [{"n": 2}, {"n": 3}] and steps[-1] == 5.0
+
+
+def test_named_peers_and_rows_are_shared_by_the_model_benches(tmp_path, monkeypatch):
+    from measure import append_row, named_peers
+
+    overrides = {"a": ["old"]}
+    assert named_peers("a,b", ["c=x.y=1,z.w=[p,q]", "a=k=v"], overrides) == ["a", "b", "c"]
+    assert overrides == {"a": ["k=v"], "c": ["x.y=1", "z.w=[p,q]"]}  # a [list] value keeps its commas
+    out = tmp_path / "new" / "rows.jsonl"
+    append_row(str(out), {"x": 1})
+    monkeypatch.setenv("RANK", "1")  # the other ranks of a run write nothing
+    append_row(str(out), {"x": 2})
+    assert rows(out) == [{"x": 1}]
