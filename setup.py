@@ -24,5 +24,15 @@ setup(
     # einops, pydantic: what VoxCPM's model code needs (the TTS recipe); `make install` adds voxcpm itself with
     # --no-deps, since its declared dependencies are its whole TTS app (gradio, funasr, modelscope, ...)
     extras_require={"dev": ["pytest", "pytest-timeout", "transformers>=5.0", "einops", "pydantic>=2"]},
+    # the `python -m ddptrain.X` tools as commands (tests/test_entry_points.py: one per tool, each target callable)
+    entry_points={"console_scripts": [
+        "ddptrain-config = ddptrain.config:main",
+        "ddptrain-features = ddptrain.data.features:main",
+        "ddptrain-lora = ddptrain.lora:main",
+        "ddptrain-memory = ddptrain.memory:main",
+        "ddptrain-shards = ddptrain.data.shards:main",
+        "ddptrain-tune = ddptrain.tune:main",
+        "ddptrain-validate = ddptrain.data.validate:main",
+    ]},
     license="Apache-2.0",
 )

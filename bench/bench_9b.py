@@ -56,12 +56,13 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path[:0] = [p for p in (ROOT, HERE) if p not in sys.path]
 
 import ddptrain  # noqa: E402
 from ddptrain.losses import causal_lm_loss  # noqa: E402
+from flops import PEAK_BF16  # noqa: E402
+from measure import append_row, cap_gpu_memory, gather, mem_reset, peak_gb, sync, world  # noqa: E402
 
-PEAK_BF16 = 989.4e12  # dense bf16 tensor-core peak of one H100/H200 SXM (bench/flops.py)
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}
 TOKENS = {"image_start": 151339, "image_end": 151340, "image": 151343, "video": 151344}
 LORA_TARGETS = ["*language_model.layers.*.self_attn.[qkvo]_proj", "*language_model.layers.*.mlp.*_proj"]
@@ -205,13 +206,10 @@ def step_flops(cfg, batch: dict, lora: bool, vision: bool) -> float:
 
 
 def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
-    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    ws = world()[1]
     med = statistics.median(step_s)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
-    per_gpu = [peak]
-    if torch.distributed.is_initialized():  # every rank's peak: does one rank hold more than its share?
-        per_gpu = [None] * ws
-        torch.distributed.all_gather_object(per_gpu, peak)
+    # every rank's peak (GiB): does one rank hold more than its share?
+    per_gpu = [x for (x,) in gather([(peak_gb() or 0.0) * 1e9 / 2**30])]
     import transformers
 
     return {"workload": f"glm4v_{job['model']}" + ("_text" if job["model"] == "3b" else ""), "name": job_name,
@@ -250,15 +248,14 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
     model = WithLoss(build(job, preset, dev))
     mcfg = glm4v_config(preset, with_vision=job["model"] == "9b")
     batch = make_batch(mcfg, preset, dev, vision=job["model"] == "9b", seq=job.get("seq", 0))
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    mem_reset()
     trainer = ddptrain.Trainer(model, lambda m, b: m(**b), cfg, [batch] * (warmup + steps))
     times = []
     for i in range(warmup + steps):
-        _sync(dev)
+        sync()
         t0 = time.perf_counter()
         out = trainer.train_step([batch])
-        _sync(dev)
+        sync()
         times.append(time.perf_counter() - t0)
     at_rest = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0  # grads freed after the step
     est = estimate_model_state(trainer.module, cfg, info.world_size)
@@ -277,8 +274,7 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if GPU_MEMORY_GB and dev.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(GPU_MEMORY_GB * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    cap_gpu_memory(GPU_MEMORY_GB)
     mcfg = glm4v_config(preset)
     model = get_peft_model(build(job, preset, dev), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                                target_modules=PEFT_TARGETS))
@@ -296,11 +292,11 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            _sync(dev)
+            sync()
             marks["t"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            _sync(dev)
+            sync()
             times.append(time.perf_counter() - marks["t"])
 
     args = TrainingArguments(output_dir=f"{tmp}/{job_name}", per_device_train_batch_size=1, bf16=True,
@@ -315,8 +311,7 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
         one = items[0]
         return {k: (v[None] if k in ("input_ids", "labels", "mm_token_type_ids") else v) for k, v in one.items()}
 
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    mem_reset()
     Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Clock()]).train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
@@ -324,11 +319,6 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 
 
 GPU_MEMORY_GB = float(os.environ.get("BENCH_GPU_MEMORY_GB", "0") or 0)  # --gpu-memory-gb, through the env to each job
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def run_job(name: str, preset: str, out: str, tmp: str) -> int:
@@ -340,28 +330,20 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
                 import peft  # noqa: F401
             except ImportError:
                 row = {"workload": "glm4v_9b", "name": name, "peer": "hf_peft", "skipped": "peft is not installed"}
-                _append(out, row)
+                append_row(out, row)
                 return 0
             row = run_hf_peft(name, job, preset, warmup, steps, tmp)
         else:
             row = run_ddptrain(name, job, preset, warmup, steps, tmp)
     except Exception as e:  # an error row, and exit status 1 (bench/gpu_session.py's convention)
-        _append(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
+        append_row(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
                       "gpu_memory_gb": GPU_MEMORY_GB or None, "error": f"{type(e).__name__}: {e}"[:2000]})
         raise
-    if int(os.environ.get("RANK", "0")) == 0:
-        _append(out, row)
+    if world()[0] == 0:
+        append_row(out, row)
         print(json.dumps({k: row[k] for k in ("name", "tokens_per_s", "mfu", "peak_alloc_gib") if k in row}))
     ddptrain.dist.teardown()  # a multi-rank job leaves its process group as the examples do
     return 0
-
-
-def _append(path: str, row: dict) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
 
 
 def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
@@ -387,7 +369,7 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
             rc = subprocess.run(cmd, env=job_env, timeout=timeout * (3 if dry else 1)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-            _append(out, {"workload": "glm4v", "name": name, "gpu_memory_gb": GPU_MEMORY_GB or None,
+            append_row(out, {"workload": "glm4v", "name": name, "gpu_memory_gb": GPU_MEMORY_GB or None,
                           "error": f"timed out after {timeout}s"})
         print(f"[bench_9b] {name}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
         failed += rc != 0

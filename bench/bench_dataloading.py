@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ddptrain.data.config import DataConfig  # noqa: E402
 from ddptrain.data.features import BatchFeatureExtractor, spec_augment  # noqa: E402
-from ddptrain.data.synthetic import synth_waveform, write_synthetic_corpus  # noqa: E402
+from ddptrain.data.synthetic import SyntheticCorpus, synth_waveform, write_synthetic_corpus  # noqa: E402
 
 try:  # the file-based parts need soundfile; --batch-only runs without it (e.g. on a GPU box)
     import soundfile as sf
@@ -164,7 +164,7 @@ def main() -> None:
     p.add_argument("--batch-only", action="store_true",
                    help="only the BatchFeatureExtractor table, on in-memory audio (no soundfile needed)")
     a = p.parse_args()
-    d = np.round(np.clip(np.random.default_rng(a.seed).lognormal(np.log(12), 0.5, a.utterances), 1, 35), 3)
+    d = SyntheticCorpus(utterances=a.utterances, median_s=12.0, sigma=0.5, min_s=1.0, max_s=35.0).lengths(a.seed)[0]
     if a.batch_only:
         print(f"{a.utterances} synthetic utterances, {d.sum() / 60:.1f} min; torch {torch.__version__}, "
               f"{os.cpu_count()} CPU cores\n")

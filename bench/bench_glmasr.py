@@ -71,10 +71,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,8 +86,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import finetune_glmasr as fg  # noqa: E402
 
 import ddptrain  # noqa: E402
+from ddptrain.data import SyntheticCorpus  # noqa: E402
+from flops import PEAK_BF16  # noqa: E402
+from measure import (TimedLoss, append_row, cap_gpu_memory, device, mem_reset, named_peers, peak_gb,  # noqa: E402
+                     peer_row, sync)
 
-PEAK_BF16 = 989.4e12  # dense bf16 tensor-core peak of one H100/H200 SXM (datasheet)
 SR = 16000
 OVERRIDES = {
     "ddptrain": [],
@@ -185,22 +187,16 @@ def recipe_cfg(args, peer_overrides=()):
           f"trainer.output_dir={args.tmp}/{args.peer}", "checkpoint.save_at_end=false", "logging.tensorboard=false",
           "logging.progress_bar=false", f"logging.log_every={args.warmup}", "optim.lr=1e-5", "optim.betas=[0.9,0.999]",
           f"glmasr.preset={args.preset}", f"data.num_workers={args.workers}", f"data.max_batch_size={args.batch}",
-          f"data.max_duration={args.batch * 30}", "data.num_buckets=20",
-          # 20 buckets x 13 batches of 16: with 30 s windows every batch holds 16 utterances, so
-          # compiled layers see one new shape only (the decoder length), within the warm-up
-          f"glmasr.synthetic_utterances={20 * 13 * args.batch}",
-          "scheduler.name=constant", *peer_overrides]
+          f"data.max_duration={args.batch * 30}", "data.num_buckets=20", "scheduler.name=constant", *peer_overrides]
     return ddptrain.load_config(os.path.join(HERE, "..", "configs", "glmasr.yaml"), [
         "compile.enabled=false", "recompute.enabled=false", "trainer.param_dtype=fp32", *ov], schema=fg.RecipeConfig)
 
 
-def device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def corpus(args) -> SyntheticCorpus:
+    """The recipe's synthetic corpus at 20 buckets x 13 batches: with 30 s windows every batch
+    holds ``--batch`` utterances, so compiled layers see one new shape only (the decoder length),
+    within the warm-up."""
+    return dataclasses.replace(fg.SYNTHETIC, utterances=20 * 13 * args.batch)
 
 
 def hf_model_and_data(args, cfg):
@@ -212,8 +208,7 @@ def hf_model_and_data(args, cfg):
         model = load_hf_model("", "published" if args.preset == "published" else "tiny",
                               tiny_tokens=tiny_tokens() if args.preset == "tiny" else None)
     layout = fg.synthetic_layout(model.config)
-    d, n = fg.synthetic_corpus(cfg.glmasr, cfg.data.seed)
-    dataset = fg.SyntheticSpeech(d, n, min(model.config.text_config.vocab_size, 50000, layout.audio_token_id), layout.eos_id)
+    dataset = fg.synthetic_speech(corpus(args), cfg.data.seed, layout, model.config.text_config.vocab_size)
     collate, _ = fg.make_collator(cfg, layout, model.config.text_config.max_position_embeddings, True)
     return model, dataset, StatsCollate(collate, GlmAsrFlops(model), hf=True)
 
@@ -258,29 +253,28 @@ def run_ddptrain(args) -> dict:
     flops = GlmAsrFlops(hf)
     loader = fg.build_synthetic_loader(cfg, layout, hf.config.text_config.vocab_size, 1, 0,
                                        hf.config.text_config.max_position_embeddings,
-                                       collate_wrapper=lambda c: StatsCollate(c, flops, hf=False))
+                                       collate_wrapper=lambda c: StatsCollate(c, flops, hf=False), corpus=corpus(args))
     objective = fg.GlmAsrObjective(layout, None, loader.feature_extractor)
-    calls = []
+    counters, graphs = torch._dynamo.utils.counters["stats"], []
 
-    graphs = torch._dynamo.utils.counters["stats"]
-
-    def timed(m, batch):
-        calls.append((time.perf_counter(), batch.pop("stats"), graphs["unique_graphs"]))
+    def loss(m, batch):
+        graphs.append(counters["unique_graphs"])  # graphs compiled so far: a slow step that compiled
         with attention_scope(args):
             return objective(m, batch)
 
-    reset_peak()
+    timed = TimedLoss(loss, stats=lambda batch: batch.pop("stats"))
+    mem_reset()
     trainer = ddptrain.Trainer(model, timed, cfg, loader)
     trainer.fit()
     sync()
     w, n = args.warmup, args.steps
-    elapsed = calls[w + n][0] - calls[w][0]
+    elapsed, stats, _ = timed.window(w, n)
     logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
              "ov": ov, "data_wait_frac": waits,
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
-             **step_record(calls, w, n)}
+             **step_record(timed.calls, graphs, w, n)}
     if args.profile:
         extra["profile"] = profile_steps(trainer, loader)
         if torch.cuda.is_available():
@@ -288,21 +282,21 @@ def run_ddptrain(args) -> dict:
 
             it = iter(loader)
             extra["profile"]["gaps"] = gap_owners(lambda b: trainer.train_step([b]), [next(it) for _ in range(2)], top=10)
-    return summarize(args, elapsed, [c[1] for c in calls[w:w + n]], extra)
+    return summarize(args, elapsed, stats, extra)
 
 
-def step_record(calls: list, w: int, n: int) -> dict:
+def step_record(calls: list, graphs: list, w: int, n: int) -> dict:
     """Per timed step: host ms, shape (rows x frames, decoder length), whether the run saw that
     shape for the first time, and dynamo graphs compiled in it (is a slow step a new shape?)."""
     seen, out = set(), {"step_ms": [], "step_shape": [], "step_new_shape": [], "step_new_graphs": []}
     for i in range(w + n):
-        t, s, g = calls[i]
+        t, s = calls[i]
         shape = f"{s['rows']}x{s['frames']},{s['length']}"
         if i >= w:
             out["step_ms"].append(round(1e3 * (calls[i + 1][0] - t), 1))
             out["step_shape"].append(shape)
             out["step_new_shape"].append(shape not in seen)
-            out["step_new_graphs"].append(calls[i + 1][2] - g)
+            out["step_new_graphs"].append(graphs[i + 1] - graphs[i])
         seen.add(shape)
     if torch.cuda.is_available():
         out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
@@ -353,7 +347,7 @@ def run_bare(args) -> dict:
                                          num_workers=args.workers, pin_memory=dev.type == "cuda", drop_last=True,
                                          generator=torch.Generator().manual_seed(0),
                                          prefetch_factor=4 if args.workers else None)
-    reset_peak()
+    mem_reset()
     model.train()
     stats, t0 = [], None
     it = iter(loader)
@@ -445,7 +439,7 @@ def run_hf(args) -> dict:
         dataloader_pin_memory=torch.cuda.is_available(), dataloader_prefetch_factor=4 if args.workers else None,
         remove_unused_columns=False, seed=0, use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True,
         **extra_args)
-    reset_peak()
+    mem_reset()
     trainer = BenchTrainer(model=model, args=targs, train_dataset=dataset, data_collator=collate, callbacks=[Clock()])
     trainer.train()
     sync()
@@ -453,17 +447,6 @@ def run_hf(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------ results
-
-
-def cap_gpu_memory(gib: float) -> None:
-    """The caching allocator's cap for peers that are not ddptrain (which uses trainer.gpu_memory_gb)."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
-
-
-def reset_peak():
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
 
 
 def summarize(args, elapsed: float, stats: list, extra: dict) -> dict:
@@ -478,8 +461,7 @@ def summarize(args, elapsed: float, stats: list, extra: dict) -> dict:
         "mean_frames": sum(s["frames"] for s in stats) / max(len(stats), 1),
         "mean_decoder_length": sum(s["length"] for s in stats) / max(len(stats), 1),
         "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
-        "peak_alloc_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+        "peak_alloc_gb": peak_gb(), "peak_reserved_gb": peak_gb(reserved=True),
         "gpu_memory_gb": args.gpu_memory_gb or None,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__, **extra,
@@ -492,7 +474,7 @@ def run_data(args) -> dict:
     from models.glmasr import published_config, tiny_config
 
     mc = published_config() if args.preset == "published" else tiny_config(**tiny_tokens())
-    loader = fg.build_synthetic_loader(cfg, fg.synthetic_layout(mc), mc.text_config.vocab_size, 1, 0)
+    loader = fg.build_synthetic_loader(cfg, fg.synthetic_layout(mc), mc.text_config.vocab_size, 1, 0, corpus=corpus(args))
     it = iter(loader)
     for _ in range(args.warmup):
         next(it)
@@ -563,10 +545,8 @@ def main(argv=None) -> int:
         with open(args.row, "w") as f:
             json.dump(row, f)
         return 0
-    named = dict(o.split("=", 1) for o in args.ov)
-    for name, ov in named.items():
-        OVERRIDES[name] = re.split(r",(?![^\[]*\])", ov)  # not at the commas of a [list] value
-    peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
+    peers = named_peers(args.peers, args.ov, OVERRIDES)
+    named = [o.split("=", 1)[0] for o in args.ov]
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for peer in peers:
@@ -582,27 +562,14 @@ def main(argv=None) -> int:
             if base_peer(peer).startswith("hf_ds2"):  # DeepSpeed wants a process group: one rank of torchrun's env
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             tic = time.time()
-            try:
-                limit = args.hf_compile_timeout if base_peer(peer).startswith("hf_compile") else args.timeout
-                proc = subprocess.run(cmd, env=env, timeout=limit, capture_output=True, text=True)
-                ok = proc.returncode == 0 and os.path.exists(row_file)
-                row = json.load(open(row_file)) if ok else {"gpu_memory_gb": args.gpu_memory_gb or None,
-                    "workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
-                    "error": (proc.stdout + proc.stderr)[-3000:]}
-            except subprocess.TimeoutExpired as e:
-                ok = False
-                tail = ((e.stdout or b"") + (e.stderr or b""))[-3000:]
-                row = {"workload": "glmasr_win30", "peer": peer, "world_size": 1, "batch": args.batch,
-                       "gpu_memory_gb": args.gpu_memory_gb or None, "error": f"did not finish within {limit:.0f} s (start, compile and "
-                                f"{args.warmup + args.steps} steps)",
-                       "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
+            limit = args.hf_compile_timeout if base_peer(peer).startswith("hf_compile") else args.timeout
+            ok, row = peer_row(cmd, row_file, limit, env, workload="glmasr_win30", peer=peer, world_size=1,
+                               batch=args.batch, gpu_memory_gb=args.gpu_memory_gb or None)
             row["wall_s"] = round(time.time() - tic, 1)
             failed += not ok
             line = json.dumps(row)
             print(line if ok else line[:2000], flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            append_row(args.out, row)
     print(f"{'peer':<26}{'workload':<14}{'samples/s':>10}{'audio s/s':>11}{'peak GB':>9}{'MFU':>7}")
     if args.out:
         rows = [json.loads(x) for x in open(args.out)][-len(peers):]

@@ -52,10 +52,9 @@ not counted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,9 +63,16 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path[:0] = [p for p in (HERE, os.path.join(HERE, "..", "examples")) if p not in sys.path]
 
-PEAK_BF16 = 989.4e12
+from ddptrain.data import SyntheticCorpus  # noqa: E402
+from flops import PEAK_BF16  # noqa: E402
+from measure import (Interleave, TimedLoss, append_row, cap_gpu_memory, device, mem_reset,  # noqa: E402
+                     named_peers, peak_gb, peer_row, sync, world)
+
+# lognormal durations (median 5 s, clipped 1-15 s), ~3.5 text ids a second of audio
+CORPUS = SyntheticCorpus(median_s=5.0, sigma=0.5, min_s=1.0, max_s=15.0, tokens_per_s=3.5, token_jitter=0.2,
+                         min_tokens=2)
 OVERRIDES = {
     "ddptrain": [],
     "ddptrain_bf16": ["trainer.param_dtype=bf16"],
@@ -78,15 +84,6 @@ OVERRIDES["ddptrain_best_md320"] = OVERRIDES["ddptrain_best"] + ["data.max_durat
 OVERRIDES["ddptrain_offload_md320"] = OVERRIDES["ddptrain_best_md320"] + ["optim.offload=cpu"]
 OVERRIDES["ddptrain_offload_md240"] = OVERRIDES["ddptrain_best"] + ["data.max_duration=240", "data.num_buckets=10",
                                                                      "optim.offload=cpu"]
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------------ model, data, FLOPs
@@ -108,27 +105,25 @@ def make_model(args):
     return model, vae, layout
 
 
-def corpus(args, vocab: int):
-    """(durations s, text ids per utterance), deterministic."""
-    rng = np.random.default_rng(0)
-    d = np.clip(rng.lognormal(math.log(5.0), 0.5, args.utterances), 1.0, 15.0).round(3)
-    ids = [rng.integers(200, vocab, max(2, int(round(x * 3.5 * rng.uniform(0.8, 1.2))))).tolist() for x in d]
-    return d, ids
+def corpus(utterances: int, vocab: int, sample_rate: int = 44100):
+    """The library's in-memory corpus (``CORPUS``, ``utterances`` long): random audio at the VAE's
+    rate and text ids in [200, vocab), deterministic."""
+    return dataclasses.replace(CORPUS, utterances=utterances).dataset(0, (200, vocab), sample_rate=sample_rate)
 
 
-class SyntheticAudio(torch.utils.data.Dataset):
-    """Upstream's sample dict (text_ids, audio_array) with random audio, deterministic per index."""
+class UpstreamSamples(torch.utils.data.Dataset):
+    """The corpus as upstream's sample dicts (text_ids, audio_array, ...)."""
 
-    def __init__(self, durations, ids, sample_rate):
-        self.d, self.ids, self.sr = durations, ids, sample_rate
+    def __init__(self, speech):
+        self.speech = speech
 
     def __len__(self):
-        return len(self.d)
+        return len(self.speech)
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(int(i))
-        return {"text_ids": self.ids[i], "audio_array": (0.1 * torch.randn(int(self.d[i] * self.sr), generator=g)).numpy(),
-                "dataset_id": 0, "is_prompt": False, "index": int(i)}
+        x = self.speech[i]
+        return {"text_ids": x["tokens"].tolist(), "audio_array": x["audio"].numpy(), "dataset_id": 0,
+                "is_prompt": False, "index": int(i)}
 
 
 def upstream_collate(batch):
@@ -165,10 +160,6 @@ class Flops:
         return total
 
 
-def peak_gb():
-    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
-
-
 def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> dict:
     """The row: ``stats`` of every timed step of every rank, ``elapsed`` the slowest rank's time;
     throughput in total, MFU per GPU, ``peaks`` (GB) per GPU."""
@@ -183,7 +174,7 @@ def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> di
             "samples_per_step": tot["n"] / max(1, steps), "padding_fraction": 1 - tot["real"] / max(1, tot["padded"]),
             "tflops": tflops, "mfu": tflops * 1e12 / PEAK_BF16,
             "peak_alloc_gb": None if peaks[0] is None else max(peaks), "peak_alloc_gb_per_gpu": peaks,
-            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_available() else None,
+            "peak_reserved_gb": peak_gb(reserved=True),
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "gpu_memory_gb": args.gpu_memory_gb or None, **extra}
 
@@ -191,24 +182,18 @@ def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> di
 # ------------------------------------------------------------------------------------ peers
 
 
-def cap_gpu_memory(gib: float) -> None:
-    """The allocator cap for the upstream peer (ddptrain peers use trainer.gpu_memory_gb)."""
-    if gib and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), 0)
-
-
 def run_upstream(args) -> dict:
     from models import voxcpm_tts as vt
 
-    cap_gpu_memory(args.gpu_memory_gb)
+    cap_gpu_memory(args.gpu_memory_gb)  # ddptrain peers cap themselves: trainer.gpu_memory_gb
     model, vae, layout = make_model(args)
     dev = device()
-    d, ids = corpus(args, layout.lm_config.vocab_size)
+    speech = corpus(args.utterances, layout.lm_config.vocab_size, vae.sample_rate)
+    d = speech.durations
     flops = Flops(model, layout)
     packer = vt.upstream_packer_class()(dataset_cnt=1, max_len=layout.max_length, patch_size=layout.patch_size,
                                         feat_dim=layout.feat_dim, audio_vae=vae)
-    loader = torch.utils.data.DataLoader(SyntheticAudio(d, ids, vae.sample_rate), batch_size=args.batch, shuffle=True,
+    loader = torch.utils.data.DataLoader(UpstreamSamples(speech), batch_size=args.batch, shuffle=True,
                                          num_workers=0 if args.dry else 2, collate_fn=upstream_collate, drop_last=True, pin_memory=True,
                                          generator=torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.01)
@@ -217,7 +202,7 @@ def run_upstream(args) -> dict:
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=100, num_training_steps=2000)
     scaler = torch.amp.GradScaler("cuda", enabled=dev.type == "cuda")
     model.train()
-    torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+    mem_reset()
     it, stats, t0, loss = iter(loader), [], None, None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -254,7 +239,6 @@ def run_upstream(args) -> dict:
 def run_ddptrain(args) -> dict:
     import finetune_tts as ft
     import tts_cache
-    from workloads import Interleave  # bench/workloads.py: the N ranks' batches in step order
 
     import ddptrain
 
@@ -273,17 +257,17 @@ def run_ddptrain(args) -> dict:
     info = ddptrain.setup_distributed(cfg)
     ws, rank = info.world_size, info.rank
     model, vae, layout = make_model(args)
-    d, ids = corpus(args, layout.lm_config.vocab_size)
+    speech = corpus(args.utterances, layout.lm_config.vocab_size, vae.sample_rate)
+    d = speech.durations
     flops = Flops(model, layout)
     # the prepare step: encode every utterance once, each rank a share (timed, reported apart)
     folder = os.path.join(args.tmp, "latents")
     os.makedirs(folder, exist_ok=True)
-    ds = SyntheticAudio(d, ids, vae.sample_rate)
     sync()
     t = time.perf_counter()
     utts = []
     for i in range(rank, len(d), ws):
-        z = vt.encode_latents(vae, torch.from_numpy(ds[i]["audio_array"]), layout.patch_size).numpy()
+        z = vt.encode_latents(vae, speech[i]["audio"], layout.patch_size).numpy()
         path = os.path.join(folder, f"{i}.npy")
         np.save(path, z)
         utts.append(tts_cache.CachedUtterance(str(i), str(i), path, int(z.shape[0]), "synthetic", i + 1))
@@ -293,7 +277,7 @@ def run_ddptrain(args) -> dict:
         shares = [None] * ws
         torch.distributed.all_gather_object(shares, utts)
         utts = sorted((u for share in shares for u in share), key=lambda u: u.line)
-    by_text = {str(i): x for i, x in enumerate(ids)}  # an utterance's "text" is its index: the synthetic ids
+    by_text = {str(i): speech.tokens(i).tolist() for i in range(len(d))}  # an utterance's "text" is its index
 
     class Ids:
         def __call__(self, text):
@@ -308,24 +292,20 @@ def run_ddptrain(args) -> dict:
                              f"batches; give more --utterances")
     else:
         loader = ft.build_loader(utts, cfg, Ids(), layout, True, ws, rank)
-    objective = ft.TTSObjective()
-    calls = []
 
-    def timed(m, batch):
+    def stats(batch):
         b, s = batch["text_mask"].shape
         real = int((batch["text_mask"] + batch["audio_mask"]).sum())
-        calls.append((time.perf_counter(), {"n": b, "audio_s": float(sum(d[int(i)] for i in batch["ids"])),
-                                            "flops": flops(b, s), "real": real, "padded": b * s}))
-        return objective(m, batch)
+        return {"n": b, "audio_s": float(sum(d[int(i)] for i in batch["ids"])), "flops": flops(b, s), "real": real,
+                "padded": b * s}
 
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    timed = TimedLoss(ft.TTSObjective(), stats)
+    mem_reset()
     trainer = ddptrain.Trainer(model, timed, cfg, loader)
     trainer.fit()
     sync()
-    end = time.perf_counter()
-    elapsed = (calls[w + n][0] if len(calls) > w + n else end) - calls[w][0]
-    mine = {"elapsed": elapsed, "stats": [s for _, s in calls[w:w + n]], "peak": peak_gb(), "prepare_s": prepare_s}
+    elapsed, timed_stats, _ = timed.window(w, n, end=time.perf_counter())
+    mine = {"elapsed": elapsed, "stats": timed_stats, "peak": peak_gb(), "prepare_s": prepare_s}
     every = [mine]
     if ws > 1:
         every = [None] * ws
@@ -346,7 +326,7 @@ def run_ddptrain(args) -> dict:
 
 def run_one(args) -> dict:
     if args.peer == "upstream":
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 or args.as_world > 1:
+        if world()[1] > 1 or args.as_world > 1:
             raise ValueError("the upstream peer runs on one GPU only (its step is reproduced without DDP)")
         return run_upstream(args)
     OVERRIDES.setdefault(args.peer, [])
@@ -377,27 +357,24 @@ def main(argv=None) -> int:
         args.batch, args.utterances, args.warmup, args.steps, args.max_duration = 4, 24, 1, 2, 20.0
     if args.peer:  # one peer in this process (under torchrun: every rank; rank 0 writes the row)
         row = run_one(args)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if world()[0] == 0:
             with open(args.row, "w") as f:
                 json.dump(row, f)
         import ddptrain
 
         ddptrain.dist.teardown()  # a collection, a barrier, then the group: no abort at exit
         return 0
-    named = dict(o.split("=", 1) for o in args.ov)
-    OVERRIDES.update({k: v.split(",") for k, v in named.items()})
-    peers = [x for x in args.peers.split(",") if x] + [x for x in named if x not in args.peers.split(",")]
+    peers = named_peers(args.peers, args.ov, OVERRIDES)
+    named = [o.split("=", 1)[0] for o in args.ov]
     failed = 0
     for peer in peers:
         if args.inline:  # no subprocess: no time limit either, for the dry run's few steps
             with tempfile.TemporaryDirectory() as tmp:
-                args.peer, args.tmp = peer, tmp
+                args.peer, args.tmp, args.ov = peer, tmp, []  # a named peer's overrides are in OVERRIDES
                 row = run_one(args)
             args.peer = None
             print(json.dumps(row)[:3000], flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            append_row(args.out, row)
             continue
         with tempfile.TemporaryDirectory() as tmp:
             row_file = os.path.join(tmp, "row.json")
@@ -413,22 +390,13 @@ def main(argv=None) -> int:
                 env.pop("OMP_NUM_THREADS")  # the host update is the step's longest part: every core
 
             tic = time.time()
-            try:
-                proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, env=env)
-                ok = proc.returncode == 0 and os.path.exists(row_file)
-                row = json.load(open(row_file)) if ok else {"peer": peer, "error": (proc.stdout + proc.stderr)[-3000:]}
-            except subprocess.TimeoutExpired as e:
-                ok, tail = False, ((e.stdout or b"") + (e.stderr or b""))[-1500:]
-                row = {"peer": peer, "error": f"did not finish within {args.timeout:.0f} s",
-                       "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else str(tail)}
+            ok, row = peer_row(cmd, row_file, args.timeout, env, peer=peer)
         row.setdefault("workload", "voxcpm_tiny_dry" if args.dry else "voxcpm15_tts")
         row.setdefault("gpu_memory_gb", args.gpu_memory_gb or None)
         row["wall_s"] = round(time.time() - tic, 1)
         failed += not ok
         print(json.dumps(row)[:3000], flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_row(args.out, row)
     return 1 if failed else 0
 
 

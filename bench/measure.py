@@ -1,19 +1,25 @@
-"""Timing, memory and GPU-sensor helpers every peer uses, and the one result row they produce.
+"""Timing, memory and GPU-sensor helpers every benchmark uses, and the one result row of run.py's peers.
 
 How a run is timed: ``W`` warm-up steps, then ``N`` timed steps. With ``replay: K`` the loader
 yields its first ``K`` batches, then the same ``K`` again (``ReplayLoader``), so every peer is
 timed in the steady state on identical batches. Step times come from host timestamps at each
-loss call (ddptrain) or each step (bare loop); the span of the timed steps is closed with a
-device synchronisation.
+loss call (ddptrain: ``TimedLoss``) or each step (bare loop); the span of the timed steps is
+closed with a device synchronisation. The model benchmarks (bench_glmasr.py, bench_voxcpm.py,
+bench_9b.py) time, cap and read memory with these same pieces and run each peer in its own
+bounded process (``peer_row``).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
+import re
 import statistics
+import subprocess
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -30,6 +36,11 @@ def world() -> tuple[int, int, int]:
     return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def device() -> torch.device:
+    """This process's GPU (the current CUDA device), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -39,8 +50,7 @@ def reduce(values: list[float], op: str = "sum") -> list[float]:
     """All-reduce a few host floats over the ranks (sum or max); unchanged without a process group."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return values
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    t = torch.tensor(values, dtype=torch.float64, device=device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
     return t.tolist()
 
@@ -49,8 +59,7 @@ def gather(values: list[float]) -> list[list[float]]:
     """Every rank's copy of a few host floats, in rank order; ``[values]`` without a process group."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [list(values)]
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    t = torch.tensor(values, dtype=torch.float64, device=device())
     out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(out, t)
     return [x.tolist() for x in out]
@@ -71,6 +80,22 @@ def mem_reset():
 
 def mem_now() -> float:
     return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0.0
+
+
+def peak_gb(reserved: bool = False) -> Optional[float]:
+    """Peak allocated (or reserved) GPU memory since :func:`mem_reset` in GB (1e9 bytes); None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / 1e9
+
+
+def cap_gpu_memory(gib: float) -> None:
+    """Caps the caching allocator at ``gib`` GiB of the current GPU, so a large GPU behaves like a
+    small card, for peers that are not ddptrain (it caps itself: ``trainer.gpu_memory_gb``); 0 or
+    no GPU: nothing."""
+    if gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
 
 
 def mem_peak() -> dict:
@@ -178,16 +203,82 @@ class GpuSensors:
                 "throttle_reasons_mask": hex(mask)}
 
 
-class TimedLoss:
-    """Wraps the loss: records the host time and the batch stats at every call (= every step start)."""
+class Interleave:
+    """The batches ``N`` ranks would get, in step order (rank 0 step 0, rank 1 step 0, rank 0
+    step 1, ...): a 1-GPU run over it does exactly the work of the ``N``-GPU run, which is what
+    a scaling efficiency needs (the ``N``-GPU plan has other batches than the 1-GPU plan)."""
 
-    def __init__(self, fn):
+    def __init__(self, loaders):
+        self.loaders, self.dataset = loaders, loaders[0].dataset
+
+    def __len__(self):
+        return sum(len(x) for x in self.loaders)
+
+    def __iter__(self):
+        for step in zip(*self.loaders):
+            yield from step
+
+
+class TimedLoss:
+    """Wraps the loss: records the host time and the batch stats at every call (= every step start).
+
+    Args:
+        fn: the loss function ``(model, batch) -> (loss_sum, units)``.
+        stats: ``batch -> dict`` of the batch's counts; default: the ``stats`` its collate added.
+    """
+
+    def __init__(self, fn, stats: Optional[Callable[[dict], dict]] = None):
         self.fn, self.calls, self.sensors = fn, [], GpuSensors()
+        self.stats = stats or (lambda batch: batch.get("stats", {}))
 
     def __call__(self, model, batch):
-        self.calls.append((time.perf_counter(), batch.get("stats", {})))
+        self.calls.append((time.perf_counter(), self.stats(batch)))
         self.sensors.sample()
         return self.fn(model, batch)
+
+    def window(self, w: int, n: int, end: Optional[float] = None) -> tuple[float, list, list]:
+        """``(seconds, stats, step seconds)`` of steps ``w`` to ``w + n - 1``: a step lasts from its
+        loss call to the next; ``end`` (a host time after a device sync) closes the last step when
+        no call followed it."""
+        t = [c[0] for c in self.calls[w:w + n + 1]]
+        if len(t) == n:
+            t.append(end)
+        return t[-1] - t[0], [s for _, s in self.calls[w:w + n]], [b - a for a, b in zip(t, t[1:])]
+
+
+def append_row(path: str, row: dict) -> None:
+    """Appends ``row`` as one JSON line to ``path`` (its folder made if needed); rank 0 only, so
+    the ranks of one run write one row."""
+    if not path or world()[0] != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def named_peers(peers: str, ov: list, overrides: dict) -> list:
+    """The peers to run: ``peers`` (comma-separated) + each ``--ov NAME=k=v,k=[a,b]`` as a peer
+    ``NAME`` whose overrides (split at the commas outside ``[...]``) go into ``overrides``."""
+    named = dict(o.split("=", 1) for o in ov)
+    for name, value in named.items():
+        overrides[name] = re.split(r",(?![^\[]*\])", value)
+    listed = [x for x in peers.split(",") if x]
+    return listed + [x for x in named if x not in listed]
+
+
+def peer_row(cmd: list, row_file: str, timeout: float, env: Optional[dict] = None, **keys) -> tuple[bool, dict]:
+    """Runs one peer in its own process (its memory peak and compile caches leave with it), bounded
+    by ``timeout`` seconds: ``(True, the row it wrote to row_file)``, else ``(False, keys + error)``
+    with the tail of its output, or ``did not finish within ...`` and the tail."""
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired as e:
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x]
+        return False, {**keys, "error": f"did not finish within {timeout:.0f} s", "tail": "".join(out)[-3000:]}
+    if proc.returncode == 0 and os.path.exists(row_file):
+        with open(row_file) as f:
+            return True, json.load(f)
+    return False, {**keys, "error": (proc.stdout + proc.stderr)[-3000:]}
 
 
 class GcPauses:

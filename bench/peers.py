@@ -62,9 +62,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     mem_rest = mem_now()
     peak = mem_peak()
     calls = timed.calls
-    elapsed = calls[W + N][0] - calls[W][0]
-    stats = [s for _, s in calls[W:W + N]]
-    steps = [calls[i + 1][0] - calls[i][0] for i in range(W, W + N)]
+    elapsed, stats, steps = timed.window(W, N)
     waits = sum(loader.waits[W + 1:W + N + 1])
     from ddptrain.memory import estimate_model_state
 
@@ -177,12 +175,8 @@ def run_hf(workload, preset, exp, W, N, tmp, mode: str = "eager") -> dict:
     dev = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     module, _, flops = build(workload, preset, exp, dev)
     h = hf_cfg(workload, preset, exp)
-    if workload == "wav2vec2":
-        durations = fhm.synthetic_durations(h)
-        dataset = fhm.SyntheticAudio(durations, module.config.vocab_size, h.chars_per_second)
-    else:
-        durations = None
-        dataset = fhm.SyntheticWindows(fhm.synthetic_token_counts(h), module.config.num_mel_bins)
+    dataset = fhm.synthetic_speech(h.model, module.config)
+    durations = dataset.durations if workload == "wav2vec2" else None
     inner = StatsCollate(functools.partial(_hf_collate, workload=workload), workload, flops,
                          drop=("audio", "audio_lens", "tokens", "token_lens"))
     record = {"stats": [], "t": {}}

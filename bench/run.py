@@ -44,7 +44,7 @@ EXPERIMENT_KEYS = {
     "sdpa": "no_cudnn: flash / memory-efficient attention kernels only",
     "attn": "HF attn_implementation (sdpa | eager)", "hf_group": "HF group_by_length sampling (wav2vec2)",
     "compile_backend": "torch.compile backend for ddptrain and hf_compile (aot_eager in CPU dry runs)",
-    "as_world": "on one GPU, train on the batches of an N-GPU run (workloads.Interleave)",
+    "as_world": "on one GPU, train on the batches of an N-GPU run (measure.Interleave)",
     "same_data": "diagnostic: every rank trains on rank 0's batches",
     "nocomm": "diagnostic: DDP comm hook that skips the all-reduce (ranks then train apart)",
     "ddp1": "diagnostic: one GPU under torchrun, i.e. a DDP group of one (gpu_session.py)",

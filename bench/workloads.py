@@ -1,6 +1,7 @@
 """The benchmark's three workloads: model, loss and batches, random-initialised and synthetic.
 
-Nothing is downloaded; the data lives in memory.
+Nothing is downloaded; the data lives in memory: ``ddptrain.data.SyntheticSpeech``, shaped by
+examples/finetune_hf_model.py's ``SYNTHETIC`` corpora.
 
 * ``wav2vec2``: Wav2Vec2ForCTC, wav2vec2-large-lv60 layout (315M), raw 16 kHz audio with
   lognormal durations (median 7 s, clipped 1-20 s), CNN front end frozen.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +30,7 @@ import finetune_hf_model as fhm  # noqa: E402
 
 import ddptrain  # noqa: E402
 from flops import Flops  # noqa: E402
+from measure import Interleave  # noqa: E402
 
 SR = 16000
 WORKLOADS = ("wav2vec2", "whisper", "conformer")
@@ -70,22 +71,6 @@ def conformer_loss(model, batch):
     return loss, batch["token_lens"].sum()
 
 
-class SyntheticFbank(torch.utils.data.Dataset):
-    """Random 80-bin fbank frames (100/s) + character targets, for the Conformer workload."""
-
-    def __init__(self, durations, vocab=256, cps=15.0):
-        self.d, self.vocab, self.cps = np.asarray(durations), vocab, cps
-
-    def __len__(self):
-        return len(self.d)
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(int(i))
-        d = float(self.d[i])
-        return {"id": str(i), "text": "", "features": torch.randn(int(d * 100), 80, generator=g),
-                "tokens": torch.randint(1, self.vocab, (max(1, int(d * self.cps)),), generator=g)}
-
-
 class StatsCollate:
     """Adds ``stats`` (host floats: real/padded audio seconds, samples, tokens, FLOPs) to each batch,
     computed in the DataLoader worker from the padded shapes, so measuring needs no host sync.
@@ -121,22 +106,6 @@ class StatsCollate:
         return b
 
 
-class Interleave:
-    """The batches ``N`` ranks would get, in step order (rank 0 step 0, rank 1 step 0, rank 0
-    step 1, ...): a 1-GPU run over it does exactly the work of the ``N``-GPU run, which is what
-    a scaling efficiency needs (the ``N``-GPU plan has other batches than the 1-GPU plan)."""
-
-    def __init__(self, loaders):
-        self.loaders, self.dataset = loaders, loaders[0].dataset
-
-    def __len__(self):
-        return sum(len(x) for x in self.loaders)
-
-    def __iter__(self):
-        for step in zip(*self.loaders):
-            yield from step
-
-
 def make_loader(workload: str, preset: str, exp: dict, model, flops: Flops, rank: int, ws: int, data_cfg=None):
     """The DataLoader ddptrain and the bare loop train on: ``DurationBucketSampler`` batches of the
     synthetic corpus for ``rank`` of ``ws``, each carrying its ``stats``.
@@ -154,10 +123,11 @@ def make_loader(workload: str, preset: str, exp: dict, model, flops: Flops, rank
     if workload == "conformer":
         from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader
 
-        durs = fhm.synthetic_durations(h, data_cfg.seed)
-        sampler = DurationBucketSampler.from_config(durs, data_cfg, True, world_size=ws, rank=rank)
-        # targets must be below the model's vocabulary: CPU ctc_loss does not check, and an
-        # out-of-range target writes outside its buffers
-        return make_loader(SyntheticFbank(durs, vocab=model.cfg.vocab_size), sampler,
-                           wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1)), data_cfg)
+        # the wav2vec2 corpus as 80-bin fbank frames (100 a second); targets must be below the
+        # model's vocabulary: CPU ctc_loss does not check, and an out-of-range target writes
+        # outside its buffers
+        speech = fhm.SYNTHETIC["wav2vec2"].dataset(data_cfg.seed, (1, model.cfg.vocab_size), num_mel_bins=80)
+        sampler = DurationBucketSampler.from_config(speech.durations, data_cfg, True, world_size=ws, rank=rank)
+        return make_loader(speech, sampler, wrap(SpeechCollator(mode="features", num_mel_bins=80, pad_to_multiple=1)),
+                           data_cfg)
     return fhm.build_synthetic_loader(h, data_cfg, ws, rank, getattr(model, "config", None), collate_wrapper=wrap)

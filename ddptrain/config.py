@@ -16,11 +16,13 @@ User scripts extend the schema by subclassing :class:`Config` and adding their o
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import math
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -771,5 +773,13 @@ def reference_markdown(schema: type = Config) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``ddptrain-config`` (``python -m ddptrain.config``): print the config reference."""
+    argparse.ArgumentParser(prog="ddptrain-config", description="Print every config key with its default, accepted "
+                            "values and meaning, as the Markdown table of docs/config.md.").parse_args(argv)
     print(reference_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

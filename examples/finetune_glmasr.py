@@ -59,7 +59,7 @@ from typing import ClassVar, Optional, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,6 +69,7 @@ from ddptrain.config import at_least, one_of, satisfies  # noqa: E402
 from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
 from ddptrain.data.dataset import BadExample, SpeechDataset  # noqa: E402
 from ddptrain.data.sampler import speed_stretch  # noqa: E402
+from ddptrain.data.synthetic import SyntheticCorpus, SyntheticSpeech  # noqa: E402
 from ddptrain.data.validate import budget_problems, check_entries, keep_good, read_entries  # noqa: E402
 from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
                            load_hf_model)
@@ -100,13 +101,6 @@ class GlmAsrRecipeConfig:
     generate_eval: bool = True  # eval: WER/CER of greedy decoding (else the loss only)
     max_new_tokens: int = 200  # generation stops after this many tokens
     export_dir: str = ""  # at the end, save the model + tokenizer here as a HF folder (from_pretrained)
-    # synthetic corpus when data.train_manifest is "" (benchmarks, smoke tests): random audio and token ids
-    synthetic_utterances: int = 2000  # corpus size
-    synthetic_median_s: float = 7.0  # lognormal durations: median
-    synthetic_sigma: float = 0.5  # lognormal sigma
-    synthetic_min_s: float = 1.0  # durations clipped to [min, max]
-    synthetic_max_s: float = 30.0
-    synthetic_tokens_per_s: float = 3.0  # transcript tokens per second of audio
 
 
 @dataclass
@@ -413,30 +407,17 @@ def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, la
 # ---------------------------------------------------------------------------------- synthetic data
 
 
-class SyntheticSpeech(Dataset):
-    """Random 16 kHz audio with random transcript ids (+ EOS), deterministic per index."""
-
-    def __init__(self, durations: np.ndarray, num_targets: np.ndarray, vocab: int, eos_id: int, sample_rate=16000):
-        self.durations, self.targets, self.vocab, self.eos, self.sr = durations, num_targets, vocab, eos_id, sample_rate
-
-    def __len__(self):
-        return len(self.durations)
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(int(i))
-        n = int(self.durations[i] * self.sr)
-        text = torch.randint(0, self.vocab, (int(self.targets[i]) - 1,), generator=g)
-        return {"id": str(i), "text": "", "audio": 0.1 * torch.randn(n, generator=g),
-                "tokens": torch.cat([text, torch.tensor([self.eos])])}
+# a random init without a tokenizer trains on this (bench/bench_glmasr.py passes its own size)
+SYNTHETIC = SyntheticCorpus(utterances=2000, median_s=7.0, sigma=0.5, min_s=1.0, max_s=30.0, tokens_per_s=3.0,
+                            token_jitter=0.3)
 
 
-def synthetic_corpus(g: GlmAsrRecipeConfig, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(durations in s, transcript tokens incl. EOS): lognormal durations, ~tokens_per_s tokens."""
-    rng = np.random.default_rng(seed)
-    d = np.clip(rng.lognormal(math.log(g.synthetic_median_s), g.synthetic_sigma, g.synthetic_utterances),
-                g.synthetic_min_s, g.synthetic_max_s).round(3)
-    n = np.maximum(1, np.round(d * g.synthetic_tokens_per_s * rng.uniform(0.7, 1.3, d.size))).astype(np.int64) + 1
-    return d, n
+def synthetic_speech(corpus: SyntheticCorpus, seed: int, layout: PromptLayout, vocab: int,
+                     sample_rate: int = 16000) -> SyntheticSpeech:
+    """The library's in-memory corpus as GLM-ASR examples: transcript ids + EOS, ids below the
+    audio placeholder (a transcript must not contain it: the HF forward counts them)."""
+    return corpus.dataset(seed, (0, min(vocab, 50000, layout.audio_token_id)), sample_rate=sample_rate,
+                          suffix=(layout.eos_id,))
 
 
 def synthetic_layout(model_config, prompt_tokens: int = 20) -> PromptLayout:
@@ -450,16 +431,18 @@ def synthetic_layout(model_config, prompt_tokens: int = 20) -> PromptLayout:
 
 
 def build_synthetic_loader(cfg, layout: PromptLayout, vocab: int, world_size: int, rank: int,
-                           max_positions: int = 8192, collate_wrapper=None) -> DataLoader:
-    g, data = cfg.glmasr, cfg.data
-    d, n = synthetic_corpus(g, data.seed)
+                           max_positions: int = 8192, collate_wrapper=None,
+                           corpus: SyntheticCorpus = SYNTHETIC) -> DataLoader:
+    """The training loader over :func:`synthetic_speech`, bucketed as a manifest's would be;
+    ``collate_wrapper(collate) -> collate`` lets a benchmark add per-batch statistics."""
+    data = cfg.data
+    speech = synthetic_speech(corpus, data.seed, layout, vocab, data.sample_rate)
     hop = int(data.sample_rate * data.frame_shift_ms / 1000)
-    dec = np.array([decoder_length(layout, int(x * data.sample_rate), int(k), hop) for x, k in zip(d, n)], np.float64)
-    sampler = make_sampler(d, dec, g, data, True, world_size, rank)
+    dec = np.array([decoder_length(layout, int(x * data.sample_rate), int(k) + 1, hop)  # + EOS
+                    for x, k in zip(speech.durations, speech.num_tokens)], np.float64)
+    sampler = make_sampler(speech.durations, dec, cfg.glmasr, data, True, world_size, rank)
     collate, _ = make_collator(cfg, layout, max_positions, True)
-    # ids below the audio placeholder: a transcript must not contain it (the HF forward counts them)
-    return make_loader(SyntheticSpeech(d, n, min(vocab, 50000, layout.audio_token_id), layout.eos_id, data.sample_rate),
-                       sampler, collate_wrapper(collate) if collate_wrapper else collate, data)
+    return make_loader(speech, sampler, collate_wrapper(collate) if collate_wrapper else collate, data)
 
 
 # ---------------------------------------------------------------------------------- objective

@@ -49,7 +49,6 @@ Whisper targets): each new shape builds cuDNN plans (and, compiled, may recompil
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -57,12 +56,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import ddptrain
 from ddptrain import metrics
 from ddptrain.config import at_least, one_of
 from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader
+from ddptrain.data.synthetic import SyntheticCorpus, SyntheticSpeech
 
 WHISPER_FRAMES = 3000  # 30 s of 10 ms frames: Whisper's encoder only takes full windows
 
@@ -77,15 +77,6 @@ class HFConfig:
     vocab_size: int = 32  # wav2vec2 CTC head size for random init (real data: the tokenizer's size)
     batch_size: int = 8  # whisper: 30 s windows per batch and rank
     token_pad_multiple: int = 16  # whisper: pad target length to a multiple of this (fewer distinct shapes)
-    # synthetic corpus (used when data.train_manifest is ""): lognormal durations / token counts
-    synthetic_utterances: int = 20000  # corpus size
-    synthetic_median_s: float = 7.0  # wav2vec2: median utterance duration
-    synthetic_sigma: float = 0.5  # wav2vec2: lognormal sigma of the durations
-    synthetic_min_s: float = 1.0  # durations are clipped to [min, max]
-    synthetic_max_s: float = 20.0
-    chars_per_second: float = 15.0  # wav2vec2: transcript characters per second of audio
-    synthetic_median_tokens: float = 60.0  # whisper: median transcript tokens per 30 s window
-    synthetic_max_tokens: int = 448  # whisper: decoder context limit
     language: str = "en"  # whisper on manifests: <|language|> token of the target prefix
     task: str = "transcribe"  # whisper on manifests: transcribe | translate
     generate_eval: bool = True  # whisper on manifests: eval WER/CER by greedy decoding (else the loss only)
@@ -342,81 +333,51 @@ def loss_for(model, token_pad_multiple: int = 1) -> object:
 # ---------------------------------------------------------------------------------- synthetic data
 
 
-def synthetic_durations(h: HFConfig, seed: int = 0) -> np.ndarray:
-    """Lognormal utterance durations (median ``synthetic_median_s``), clipped to [min, max] s."""
-    rng = np.random.default_rng(seed)
-    d = rng.lognormal(math.log(h.synthetic_median_s), h.synthetic_sigma, h.synthetic_utterances)
-    return np.clip(d, h.synthetic_min_s, h.synthetic_max_s).round(3)
+# without data.train_manifest the model trains on these (the benchmarks pass their own): wav2vec2
+# on lognormal durations with ~15 characters a second, Whisper on 30 s windows with lognormal
+# transcripts up to its 448-token decoder context
+SYNTHETIC = {"wav2vec2": SyntheticCorpus(utterances=20000, median_s=7.0, sigma=0.5, min_s=1.0, max_s=20.0,
+                                         tokens_per_s=15.0),
+             "whisper": SyntheticCorpus(utterances=20000, median_s=30.0, sigma=0.0, min_s=30.0, max_s=30.0,
+                                        median_tokens=60.0, token_sigma=0.6, min_tokens=8, max_tokens=448)}
+WHISPER_PREFIX = (50258, 50259, 50360, 50364)  # <|startoftranscript|> <|en|> <|transcribe|> <|notimestamps|>
+WHISPER_EOS = 50257
 
 
-def synthetic_token_counts(h: HFConfig, seed: int = 0) -> np.ndarray:
-    """Lognormal transcript lengths per 30 s window (median ``synthetic_median_tokens``)."""
-    rng = np.random.default_rng(seed + 1)
-    n = rng.lognormal(math.log(h.synthetic_median_tokens), 0.6, h.synthetic_utterances)
-    return np.clip(n, 8, h.synthetic_max_tokens).astype(np.int64)
-
-
-class SyntheticAudio(Dataset):
-    """Random 16 kHz waveforms with random character targets, shaped like ddptrain.data's examples
-    (keys ``id``, ``text``, ``audio``, ``tokens``), deterministic per index."""
-
-    def __init__(self, durations, vocab_size: int, chars_per_second: float = 15.0, sample_rate: int = 16000):
-        self.durations, self.vocab, self.cps, self.sr = np.asarray(durations), vocab_size, chars_per_second, sample_rate
-
-    def __len__(self):
-        return len(self.durations)
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(int(i))
-        d = float(self.durations[i])
-        n_tok = max(1, int(d * self.cps))
-        return {"id": str(i), "text": "", "audio": 0.1 * torch.randn(int(d * self.sr), generator=g),
-                "tokens": torch.randint(1, self.vocab, (n_tok,), generator=g)}
-
-
-class SyntheticWindows(Dataset):
-    """Random (3000, mel) log-mel windows with random token targets (Whisper's 4-token prefix first)."""
-
-    PREFIX = (50258, 50259, 50360, 50364)  # <|startoftranscript|> <|en|> <|transcribe|> <|notimestamps|>
-
-    def __init__(self, token_counts, num_mel_bins: int = 128, vocab_size: int = 51866):
-        self.counts, self.mel, self.vocab = np.asarray(token_counts), num_mel_bins, vocab_size
-
-    def __len__(self):
-        return len(self.counts)
-
-    def __getitem__(self, i):
-        g = torch.Generator().manual_seed(int(i))
-        text = torch.randint(0, 50257, (int(self.counts[i]),), generator=g)
-        tokens = torch.cat([torch.tensor(self.PREFIX[1:]), text, torch.tensor([50257])])  # start is prepended
-        return {"id": str(i), "text": "", "features": torch.randn(WHISPER_FRAMES, self.mel, generator=g),
-                "tokens": tokens}
+def synthetic_speech(model: str, model_config=None, seed: int = 0, corpus: SyntheticCorpus | None = None,
+                     vocab_size: int = 32) -> SyntheticSpeech:
+    """The library's in-memory corpus as this model's examples: raw 16 kHz audio with character
+    ids (wav2vec2; ``vocab_size`` without a model config) or (3000, mel) log-mel windows with
+    Whisper's target ids (the prefix after the start token, the text, EOS)."""
+    corpus = corpus or SYNTHETIC[model]
+    if model == "wav2vec2":
+        return corpus.dataset(seed, (1, model_config.vocab_size if model_config is not None else vocab_size))
+    mel = model_config.num_mel_bins if model_config is not None else 128
+    return corpus.dataset(seed, (0, WHISPER_EOS), num_mel_bins=mel, frames=WHISPER_FRAMES,
+                          prefix=WHISPER_PREFIX[1:], suffix=(WHISPER_EOS,))  # the start token is prepended
 
 
 def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, model_config=None,
-                           collate_wrapper=None) -> DataLoader:
-    """The training loader over a synthetic corpus: bucketed by duration (wav2vec2) or fixed-size
-    batches of 30 s windows bucketed by transcript length (whisper). ``collate_wrapper(collate)
-    -> collate`` lets a benchmark add per-batch statistics."""
+                           collate_wrapper=None, corpus: SyntheticCorpus | None = None) -> DataLoader:
+    """The training loader over :func:`synthetic_speech`: bucketed by duration (wav2vec2) or
+    fixed-size batches of 30 s windows bucketed by transcript length (whisper). ``collate_wrapper
+    (collate) -> collate`` lets a benchmark add per-batch statistics."""
+    speech = synthetic_speech(h.model, model_config, data_cfg.seed, corpus, h.vocab_size)
+    wrap = collate_wrapper or (lambda c: c)
     if h.model == "wav2vec2":
-        durations = synthetic_durations(h, data_cfg.seed)
-        vocab = model_config.vocab_size if model_config is not None else h.vocab_size
-        dataset = SyntheticAudio(durations, vocab, h.chars_per_second)
-        sampler = DurationBucketSampler.from_config(durations, data_cfg, True, world_size=world_size, rank=rank)
+        sampler = DurationBucketSampler.from_config(speech.durations, data_cfg, True, world_size=world_size, rank=rank)
         collate = SpeechCollator(mode="audio", pad_to_multiple=data_cfg.pad_to_multiple)
-        return make_loader(dataset, sampler, collate_wrapper(collate) if collate_wrapper else collate, data_cfg)
-    mel = model_config.num_mel_bins if model_config is not None else 128
-    counts = synthetic_token_counts(h, data_cfg.seed)
-    dataset = SyntheticWindows(counts, mel)
+        return make_loader(speech, sampler, wrap(collate), data_cfg)
     # The sampler's "durations" are transcript lengths here (what differs between windows), and
     # its budget is batch_size x the longest transcript: every batch holds hf.batch_size windows
     # (the last one of a bucket fewer), of similar decoder length.
-    lengths = counts.astype(np.float64) + len(SyntheticWindows.PREFIX) + 1
+    lengths = speech.num_tokens.astype(np.float64) + len(WHISPER_PREFIX) + 1
     sampler = DurationBucketSampler.from_config(lengths, data_cfg, True, world_size=world_size, rank=rank,
                                                 max_duration=h.batch_size * lengths.max(), max_batch_size=h.batch_size,
                                                 quadratic_duration=0.0)  # lengths in tokens: no seconds budget
-    collate = SpeechCollator(mode="features", num_mel_bins=mel, pad_to_multiple=1, token_pad_id=50257)
-    return make_loader(dataset, sampler, collate_wrapper(collate) if collate_wrapper else collate, data_cfg)
+    collate = SpeechCollator(mode="features", num_mel_bins=speech.num_mel_bins, pad_to_multiple=1,
+                             token_pad_id=WHISPER_EOS)
+    return make_loader(speech, sampler, wrap(collate), data_cfg)
 
 
 # ---------------------------------------------------------------------------------- main

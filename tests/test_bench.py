@@ -149,3 +149,43 @@ def test_glmasr_hf_grouped_peer_uses_the_hf_trainers_length_grouping(tmp_path):
     # grouped batch of long utterances is long too, so its padded length alone says nothing)
     fill = {r["peer"]: r["audio_s_per_s"] / r["samples_per_s"] / r["mean_decoder_length"] for r in rows(out)}
     assert fill["hf_grouped"] > 1.3 * fill["hf"]
+
+
+def test_a_peer_process_that_fails_or_runs_too_long_is_an_error_row(tmp_path):
+    # measure.peer_row: how bench_glmasr.py and bench_voxcpm.py run each peer
+    from measure import peer_row
+
+    row_file = str(tmp_path / "row.json")
+    write = f"import json; json.dump({{'peer': 'p', 'x': 1}}, open({row_file!r}, 'w'))"
+    assert peer_row([sys.executable, "-c", write], row_file, 60, peer="p") == (True, {"peer": "p", "x": 1})
+    ok, row = peer_row([sys.executable, "-c", "print('half way'); raise SystemExit(3)"], str(tmp_path / "no.json"), 60,
+                       peer="p", batch=2)
+    assert not ok and (row["peer"], row["batch"]) == ("p", 2) and "half way" in row["error"]
+    slow = "import time; print('started', flush=True); time.sleep(60)"
+    ok, row = peer_row([sys.executable, "-c", slow], str(tmp_path / "no.json"), 3, peer="slow")
+    assert not ok and row["error"] == "did not finish within 3 s" and "started" in row["tail"]
+
+
+def test_timed_loss_windows_the_timed_steps():
+    from measure import TimedLoss
+
+    timed = TimedLoss(lambda model, batch: batch["n"], stats=lambda batch: {"n": batch["n"]})
+    assert [timed(None, {"n": i}) for i in range(4)] == [0, 1, 2, 3]
+    t = [c[0] for c in timed.calls]
+    elapsed, stats, steps = timed.window(1, 2)
+    assert elapsed == t[3] - t[1] and stats == [{"n": 1}, {"n": 2}] and steps == [t[2] - t[1], t[3] - t[2]]
+    elapsed, stats, steps = timed.window(2, 2, end=t[3] + 5.0)  # the last step closed by the caller's clock
+    assert elapsed == t[3] + 5.0 - t[2] and stats == [{"n": 2}, {"n": 3}] and steps[-1] == 5.0
+
+
+def test_named_peers_and_rows_are_shared_by_the_model_benches(tmp_path, monkeypatch):
+    from measure import append_row, named_peers
+
+    overrides = {"a": ["old"]}
+    assert named_peers("a,b", ["c=x.y=1,z.w=[p,q]", "a=k=v"], overrides) == ["a", "b", "c"]
+    assert overrides == {"a": ["k=v"], "c": ["x.y=1", "z.w=[p,q]"]}  # a [list] value keeps its commas
+    out = tmp_path / "new" / "rows.jsonl"
+    append_row(str(out), {"x": 1})
+    monkeypatch.setenv("RANK", "1")  # the other ranks of a run write nothing
+    append_row(str(out), {"x": 2})
+    assert rows(out) == [{"x": 1}]

@@ -17,7 +17,6 @@ import math
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 
@@ -123,14 +122,15 @@ def test_voxcpm_plan_stays_in_one_epoch_on_four_ranks():
     vox = next(j for s in plan("large4") for j in s if j.label == "vox4").args
     opt = lambda k: int(vox[vox.index(k) + 1])  # noqa: E731
     layout = vt.preset_config("voxcpm1.5", 0, "bfloat16")
-    d, ids = bv.corpus(types.SimpleNamespace(utterances=opt("--utterances")), layout.lm_config.vocab_size)
+    speech = bv.corpus(opt("--utterances"), layout.lm_config.vocab_size, layout.audio_vae_config.sample_rate)
+    d = speech.durations
     hop, patch = math.prod(layout.audio_vae_config.encoder_rates), layout.patch_size
     utts = [tts_cache.CachedUtterance(str(i), str(i), "-", -(-int(x * layout.audio_vae_config.sample_rate)
                                                                // (hop * patch)) * patch, "synthetic", i + 1)
             for i, x in enumerate(d)]
     ov = [o for o in bv.OVERRIDES[vox[vox.index("--peer") + 1]] if o.startswith("data.")] + ["data.num_workers=0"]
     cfg = ddptrain.load_config(os.path.join(ROOT, "configs", "tts_voxcpm15.yaml"), ov, schema=ft.RecipeConfig)
-    by_text = {str(i): x for i, x in enumerate(ids)}
+    by_text = {str(i): speech.tokens(i).tolist() for i in range(len(d))}
     per_rank = [len(ft.build_loader(utts, cfg, by_text.__getitem__, layout, True, 4, r)) for r in range(4)]
     assert min(per_rank) >= opt("--warmup") + opt("--steps") + 1, per_rank
 

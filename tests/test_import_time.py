@@ -21,6 +21,16 @@ def test_import_ddptrain_does_not_import_dynamo():
     assert out.stdout.strip() == "[]"
 
 
+def test_import_ddptrain_loads_no_heavy_optional_module():
+    """What ``import ddptrain`` adds to ``import torch`` stays small (README's costs table: ~0.05 s
+    of ~1.5 s): audio, logging and model libraries load where a recipe or tool uses them."""
+    heavy = ("torchaudio", "soundfile", "tensorboard", "torch.utils.tensorboard", "transformers", "sympy", "triton",
+             "torch._dynamo", "torch._inductor", "torch.distributed.checkpoint", "matplotlib")
+    code = f"import sys, ddptrain; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_first_checkpoint_call_under_compile_runs_the_region_eagerly():
     lin = nn.Linear(4, 4)
     compiling = []

@@ -6,6 +6,7 @@ stuck batch hung instead of erroring), its and the TTS recipe's samplers dropped
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from types import SimpleNamespace
@@ -37,11 +38,11 @@ def assert_library_loader(loader, data, train=True, **overrides):
 def test_hf_synthetic_loader_is_the_librarys():
     import finetune_hf_model as fhm
 
-    cfg = ddptrain.load_config(None, [*DATA, "hf.synthetic_utterances=60", "data.max_duration=60"],
-                               schema=fhm.FinetuneConfig)
-    assert_library_loader(fhm.build_synthetic_loader(cfg.hf, cfg.data, 1, 0), cfg.data)
+    cfg = ddptrain.load_config(None, [*DATA, "data.max_duration=60"], schema=fhm.FinetuneConfig)
+    small = {m: dataclasses.replace(c, utterances=60) for m, c in fhm.SYNTHETIC.items()}
+    assert_library_loader(fhm.build_synthetic_loader(cfg.hf, cfg.data, 1, 0, corpus=small["wav2vec2"]), cfg.data)
     cfg.hf.model = "whisper"
-    whisper = fhm.build_synthetic_loader(cfg.hf, cfg.data, 1, 0)
+    whisper = fhm.build_synthetic_loader(cfg.hf, cfg.data, 1, 0, corpus=small["whisper"])
     # its lengths are tokens: a fixed number of windows per batch, no seconds budget
     assert_library_loader(whisper, cfg.data, max_batch_size=cfg.hf.batch_size, quadratic_duration=0.0)
 
@@ -49,10 +50,10 @@ def test_hf_synthetic_loader_is_the_librarys():
 def test_glmasr_synthetic_loader_is_the_librarys():
     import finetune_glmasr as fg
 
-    cfg = ddptrain.load_config(os.path.join(ROOT, "configs", "glmasr.yaml"), [*DATA, "glmasr.synthetic_utterances=60"],
-                               schema=fg.RecipeConfig)
+    cfg = ddptrain.load_config(os.path.join(ROOT, "configs", "glmasr.yaml"), DATA, schema=fg.RecipeConfig)
     layout = fg.PromptLayout((3, 4, 5), (6, 7), 1, 2, 0, (2,))
-    loader = fg.build_synthetic_loader(cfg, layout, 300, 1, 0, 8192)
+    loader = fg.build_synthetic_loader(cfg, layout, 300, 1, 0, 8192,
+                                       corpus=dataclasses.replace(fg.SYNTHETIC, utterances=60))
     assert_library_loader(loader, cfg.data)
     # the recipe's cost: whole 30 s windows, plus the quadratic term the library adds
     assert set(np.unique(loader.batch_sampler.durations)) <= {30.0}
@@ -69,6 +70,20 @@ def test_tts_loaders_are_the_librarys():
     utts = [CachedUtterance(f"t{i}", "ab" * i, f"/nowhere/t{i}.npy", 40 * i, "tts.jsonl", i) for i in range(1, 9)]
     assert_library_loader(ft.build_loader(utts, cfg, list, layout, True, 1, 0), cfg.data)
     assert_library_loader(ft.build_loader(utts, cfg, list, layout, False, 1, 0), cfg.data, train=False)
+
+
+@pytest.mark.parametrize("recipe,config,key", [
+    ("finetune_hf_model", None, "hf.synthetic_utterances=60"),
+    ("finetune_hf_model", None, "hf.chars_per_second=15"),
+    ("finetune_glmasr", "glmasr.yaml", "glmasr.synthetic_utterances=60"),
+])
+def test_recipe_configs_hold_no_benchmark_keys(recipe, config, key):
+    """A benchmark's corpus size and shape are its own arguments (``corpus=`` of the recipe's
+    ``build_synthetic_loader``, a ``ddptrain.data.SyntheticCorpus``), not keys of a recipe's config."""
+    module = __import__(recipe)
+    schema = getattr(module, "FinetuneConfig", None) or module.RecipeConfig
+    with pytest.raises(ddptrain.ConfigError, match=key.split("=")[0].split(".")[1]):
+        ddptrain.load_config(config and os.path.join(ROOT, "configs", config), [key], schema=schema)
 
 
 @pytest.mark.parametrize("key", ["data.spec_augment=true", "data.feature_device=gpu", "data.speed_perturb=[0.9,1.1]"])

@@ -37,19 +37,14 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, BENCH)
 
 import bench_glmasr as bg  # noqa: E402
-
-
-def world() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+from measure import world  # noqa: E402
 
 
 def shard_bench_glmasr(rank: int, world_size: int, local: int) -> None:
-    """Points bench_glmasr's one-GPU set-up at this rank: its device and its share of ddptrain's
-    batches (bench_glmasr asks for rank 0 of 1)."""
+    """Points bench_glmasr's one-GPU set-up at this rank: its device (bench_glmasr builds on the
+    current one) and its share of ddptrain's batches (bench_glmasr asks for rank 0 of 1)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        bg.device = lambda: torch.device("cuda", local)
     one_gpu = bg.fg.build_synthetic_loader
 
     def sharded(cfg, layout, vocab, _world_size, _rank, *args, **kw):

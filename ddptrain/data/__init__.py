@@ -17,7 +17,7 @@ File map: ``manifest.py`` (JSONL), ``audio.py`` (soundfile + resampling), ``feat
 translation of the config to batching), ``dataset.py`` (index -> example, bad-data policy),
 ``collate.py`` (padding, batch keys), ``loader.py`` (build_dataloader; ``make_loader``: the one
 DataLoader of a config, for recipes with their own dataset and collator), ``validate.py`` (checks + ``python -m ddptrain.data.validate``),
-``synthetic.py`` (a generated corpus for tests and benchmarks), ``config.py`` (DataConfig);
+``synthetic.py`` (the synthetic corpus for tests and benchmarks, in memory or on disk), ``config.py`` (DataConfig);
 ``shards.py`` (tar shards + index: ``python -m ddptrain.data.shards`` writes them; ShardDataset),
 ``shard_sampler.py`` (ShardWindowSampler: batches planned within windows of shards), ``mix.py``
 (named sources mixed by weight: WeightedMixSampler, MixedDataset).
@@ -39,7 +39,7 @@ _EXPORTS = {
     "ShardDataset": "shards", "ShardSet": "shards", "load_shards": "shards", "write_shards": "shards",
     "ShardWindowSampler": "shard_sampler",
     "MixedDataset": "mix", "WeightedMixSampler": "mix",
-    "write_synthetic_corpus": "synthetic",
+    "SyntheticCorpus": "synthetic", "SyntheticSpeech": "synthetic", "write_synthetic_corpus": "synthetic",
     "CharTokenizer": "tokenizer", "TokenizerError": "tokenizer", "load_or_build_tokenizer": "tokenizer",
     "ValidationReport": "validate", "validate_manifest": "validate",
 }
