@@ -10,12 +10,13 @@ in :mod:`ddptrain.data`.
 
 from ddptrain.checkpoint import CheckpointError, load_weights, save_weights
 from ddptrain.config import Config, ConfigError, load_config
+from ddptrain.contract import TrainingError
 from ddptrain.dist import DistInfo
 from ddptrain.dist import setup_for as _setup_for
 from ddptrain.loading import empty_weights, load_pretrained
 from ddptrain.lora import apply_lora, lora_state_dict, merge_lora
 from ddptrain.losses import causal_lm_loss
-from ddptrain.trainer import Trainer, TrainingError
+from ddptrain.trainer import Trainer
 
 __version__ = "0.1.0"
 
