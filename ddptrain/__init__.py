@@ -10,11 +10,12 @@ the head-sized loss of causal LMs (:func:`causal_lm_loss`), WER/CER counting in
 
 from ddptrain.checkpoint import CheckpointError
 from ddptrain.config import Config, ConfigError, load_config
+from ddptrain.contract import TrainingError
 from ddptrain.dist import DistInfo
 from ddptrain.dist import setup_for as _setup_for
 from ddptrain.lora import apply_lora, lora_state_dict, merge_lora
 from ddptrain.losses import causal_lm_loss
-from ddptrain.trainer import Trainer, TrainingError
+from ddptrain.trainer import Trainer
 from ddptrain.weights import empty_weights, load_pretrained, load_weights, save_weights
 
 __version__ = "0.1.0"

@@ -93,6 +93,14 @@ class Precision:
         if self.scaler.is_enabled():
             self.scaler.update()
 
+    def reset_scaler(self) -> None:
+        """Forget a step that failed part-way (say, out of memory after ``unscale_``), keeping the
+        scale and its growth count: GradScaler would otherwise refuse the next step's ``unscale_``."""
+        if self.scaler.is_enabled():
+            state = self.scaler.state_dict()
+            self.scaler = torch.amp.GradScaler(self.device_type, enabled=True)
+            self.scaler.load_state_dict(state)
+
     def loss_scale(self) -> float:
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 

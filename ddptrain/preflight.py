@@ -7,10 +7,12 @@ optimizer state and BatchNorm statistics restored and the RNG forked, so trainin
 the same as without it. An out-of-memory error is raised then, naming the bucket.
 
 What is here and not in tune.py: what the Trainer runs itself (:func:`before_fit`, then
-:func:`preflight`), and the pieces both use -- :func:`train_once` (one real step through the
-Trainer's parts), the sampler's buckets as :class:`Bucket`, memory measurement. tune.py (the
-search for the largest ``data.max_duration``, ``python -m ddptrain.tune``) builds a Trainer, so
-the Trainer cannot import it: ``trainer -> preflight <- tune -> trainer``.
+:func:`preflight`), and the pieces both use -- :func:`train_once` (one real step, through
+:func:`ddptrain.steps.forward_backward` as the loop's), the sampler's buckets as :class:`Bucket`,
+memory measurement. Both see a training set-up only as a :class:`ddptrain.prepare.OneStep` (the
+model, loss_fn, optimizer, precision, update and device) and the training loader; tune.py (the
+search for the largest ``data.max_duration``, ``python -m ddptrain.tune``) builds that OneStep
+itself, so the Trainer imports this module and not the tuner's command line.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import torch
 
 from ddptrain import dist
 from ddptrain.config import ConfigError
-from ddptrain.contract import check_loss_output, to_device
+from ddptrain.contract import to_device
 from ddptrain.data.sampler import padded_cost
 from ddptrain.optim import is_zero
-from ddptrain.steps import stateful_sampler
+from ddptrain.steps import StepSums, forward_backward, stateful_sampler
 
 GB = 1e9
 
@@ -97,39 +99,41 @@ def device_meter(device: torch.device) -> Optional[CudaMemory]:
 
 def is_oom(error: BaseException) -> bool:
     """An out-of-memory error, also when wrapped (the Trainer re-raises loss_fn errors)."""
-    seen = 0
+    return _oom_in(error) is not None
+
+
+def _oom_in(error: BaseException) -> Optional[BaseException]:
+    """The out-of-memory error in ``error``'s chain of causes (the innermost one: its own words)."""
+    found, seen = None, 0
     while error is not None and seen < 10:
         if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
-            return True
+            found = error
         error, seen = error.__cause__ or error.__context__, seen + 1
-    return False
+    return found
 
 
-def release(trainer, collect: bool = True) -> None:
-    """Free what a step left behind: gradients, cached blocks and (``collect``: after a failure,
-    whose traceback cycles hold the activations) garbage."""
-    trainer.optimizer.zero_grad(set_to_none=True)
-    if trainer.master is not None:
-        trainer.master.zero_model_grads()
-    if trainer.precision.scaler.is_enabled():  # a failed step may have left the scaler mid-step
-        state = trainer.precision.scaler.state_dict()
-        trainer.precision.scaler = torch.amp.GradScaler(trainer.device.type, enabled=True)
-        trainer.precision.scaler.load_state_dict(state)
+def release(step, collect: bool = True) -> None:
+    """Free what a step of ``step`` (a :class:`ddptrain.prepare.OneStep`) left behind: gradients,
+    a failed step's scaler state, cached blocks and (``collect``: after a failure, whose
+    traceback cycles hold the activations) garbage."""
+    step.optimizer.zero_grad(set_to_none=True)  # the masters' gradients, if any
+    step.model.zero_grad(set_to_none=True)
+    step.precision.reset_scaler()  # a failed step may have left the scaler mid-step
     if collect:
         gc.collect()
-    if trainer.device.type == "cuda":
+    if step.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def train_once(trainer, batch: Any, where: str, update: bool = True) -> Optional[str]:
-    """One forward + backward + optimizer update through the Trainer's pieces (DDP, autocast,
-    masters, ZeRO, clipping), without touching its progress, schedule or guard.
+def train_once(step, batch: Any, where: str, update: bool = True) -> Optional[str]:
+    """One forward + backward (:func:`ddptrain.steps.forward_backward`, the loop's own) and
+    optimizer update (masters, ZeRO, clipping) of ``step`` (a :class:`ddptrain.prepare.OneStep`).
 
-    Collective on several ranks: the forward and backward run on the module without its DDP
-    wrapper (no buffer broadcast or gradient all-reduce a failed rank would leave waiting; its
-    gradients then take one extra copy of memory, an overestimate), and the ranks agree on an
-    out-of-memory error before the update's all-reduce. (An error inside ZeRO's step, between its
-    broadcasts, is left to ``dist.timeout_s``.)
+    Collective on several ranks: ``step.model`` is the module without its DDP wrapper (no buffer
+    broadcast or gradient all-reduce a failed rank would leave waiting; its gradients then take
+    one extra copy of memory, an overestimate), and the ranks agree on an out-of-memory error
+    before the update's all-reduce. (An error inside ZeRO's step, between its broadcasts, is left
+    to ``dist.timeout_s``.)
 
     Args:
         update: False: forward and backward only (the gradients are then freed).
@@ -140,36 +144,34 @@ def train_once(trainer, batch: Any, where: str, update: bool = True) -> Optional
     Raises:
         Exception: any other error of the step.
     """
-    failed = None
-    model = trainer.module if trainer.info.distributed else trainer.model
-    model.train()
+    failed, sums = None, StepSums(step.device)
+    step.model.train()
     try:
-        batch = to_device(batch, trainer.device)
-        with trainer.precision.autocast():
-            loss_sum, units = check_loss_output(trainer.loss_fn(model, batch), where)
-        trainer.precision.scale(loss_sum.float()).backward()
+        forward_backward(step.model, step.loss_fn, step.precision, to_device(batch, step.device), where, sums)
     except Exception as e:  # only an OOM is an answer, anything else is raised
         if not is_oom(e):
             raise
-        failed = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        failed = _oom_message(e)
     batch = None
-    if dist.any_rank(failed is not None, trainer.device):
+    if dist.any_rank(failed is not None, step.device):
         return failed or "out of memory on another rank"
     if not update:
         return None
-    f64 = dict(dtype=torch.float64, device=trainer.device)
-    tensor_units = isinstance(units, torch.Tensor)
-    units_dev = units.detach().to(**f64).reshape(()) if tensor_units else torch.zeros((), **f64)
     try:
-        trainer.update(loss_sum.detach().double(), units_dev, 0.0 if tensor_units else float(units),
-                       torch.zeros((), **f64), False, 1.0)
+        step.update(*sums.totals(), False, 1.0)
     except Exception as e:
         if not is_oom(e):
             raise
-        failed = f"{type(e).__name__} in the optimizer step: {str(e).splitlines()[0][:300]}"
-    if dist.any_rank(failed is not None, trainer.device):
+        failed = _oom_message(e, " in the optimizer step")
+    if dist.any_rank(failed is not None, step.device):
         return failed or "out of memory on another rank"
     return None
+
+
+def _oom_message(error: Exception, where: str = "") -> str:
+    """The first line of the out-of-memory error in ``error``'s causes, as it said it."""
+    oom = _oom_in(error)
+    return f"{type(oom).__name__}{where}: {str(oom).splitlines()[0][:300]}"
 
 
 @contextlib.contextmanager
@@ -227,15 +229,15 @@ def bucket_sampler(data):
 # ----------------------------------------------------------------------------- the Trainer's checks
 
 
-def before_fit(trainer) -> None:
+def before_fit(mode: str, step, data, say: Callable[[str], None] = print) -> None:
     """The Trainer's checks before its first step (called at the start of ``fit``):
-    ``trainer.preflight``.
+    ``trainer.preflight`` (``mode``), see :func:`preflight`.
 
     Raises:
         PreflightError: a bucket's costliest batch ran out of memory (see :func:`preflight`).
     """
-    if trainer.cfg.trainer.preflight != "none":
-        preflight(trainer, trainer.cfg.trainer.preflight)
+    if mode != "none":
+        preflight(step, data, mode, say)
 
 
 def _worst_buckets(sampler) -> list[int]:
@@ -252,8 +254,13 @@ def _worst_buckets(sampler) -> list[int]:
     return chosen
 
 
-def preflight(trainer, mode: str = "worst") -> list[dict]:
+def preflight(step, data, mode: str = "worst", say: Callable[[str], None] = print) -> list[dict]:
     """Run the costliest batch of the worst buckets (``worst``) or of every bucket (``all``) once.
+
+    Args:
+        step: the training step (a :class:`ddptrain.prepare.OneStep`: ``Trainer.one_step``).
+        data: the training DataLoader, its batch_sampler a DurationBucketSampler.
+        say: where each bucket's result is reported (the Trainer's logger).
 
     The step is a real one (forward, backward and, before the optimizer has any state, the
     optimizer step that allocates it) at learning rate 0; afterwards the optimizer state, the
@@ -269,31 +276,31 @@ def preflight(trainer, mode: str = "worst") -> list[dict]:
             batch size) and the memory.
     """
     try:
-        sampler = bucket_sampler(trainer.train_data)
+        sampler = bucket_sampler(data)
     except ConfigError as e:
         raise ConfigError(f"trainer.preflight={mode}: {e}") from None
-    make = loader_batches(trainer.train_data)
+    make = loader_batches(data)
     buckets, sizes = sampler_buckets(sampler), sampler.bucket_batch_sizes
     chosen = sorted(range(len(buckets)), key=lambda k: -buckets[k].longest) if mode == "all" else _worst_buckets(sampler)
-    meter = device_meter(trainer.device)
-    states = _optimizer_states(trainer.optimizer)
+    meter, device = device_meter(step.device), step.device
+    states = _optimizer_states(step.optimizer)
     fresh = not any(states.values())  # a resumed optimizer's state is not touched: no update step
-    buffers = [(b, b.detach().clone()) for b in trainer.module.buffers()]
-    scale = trainer.precision.state_dict()
+    buffers = [(b, b.detach().clone()) for b in step.model.buffers()]
+    scale = step.precision.state_dict()
     py_rng, np_rng = random.getstate(), np.random.get_state()
-    cuda = [trainer.device.index if trainer.device.index is not None else torch.cuda.current_device()] if meter else []
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if meter else []
     results = []
     try:
-        with torch.random.fork_rng(devices=cuda), lr_zero(trainer.optimizer):
+        with torch.random.fork_rng(devices=cuda), lr_zero(step.optimizer):
             for k in chosen:
                 b, size = buckets[k], sizes[k]
                 batch = make(sampler.pessimistic_batch(k))
                 if meter:
                     meter.reset()
-                failed = train_once(trainer, batch, f"pre-flight {b.describe(size)}", update=fresh)
+                failed = train_once(step, batch, f"pre-flight {b.describe(size)}", update=fresh)
                 batch = None
                 peak = meter.peak() / GB if meter else None
-                release(trainer, collect=failed is not None)
+                release(step, collect=failed is not None)
                 if failed:
                     memory = f" (peak {peak:.1f} GB of {meter.capacity() / GB:.1f} GB)" if meter else ""
                     raise PreflightError(
@@ -301,7 +308,7 @@ def preflight(trainer, mode: str = "worst") -> list[dict]:
                         f"Lower data.max_duration, turn on recompute, or measure the largest data.max_duration "
                         f"that fits: python -m ddptrain.tune")
                 results.append({"bucket": k, "batch_size": size, "peak_gb": None if peak is None else round(peak, 3)})
-                trainer.logger.print(f"pre-flight: {b.describe(size)} fits" + (
+                say(f"pre-flight: {b.describe(size)} fits" + (
                     f": peak {peak:.1f} GB of {meter.capacity() / GB:.1f} GB" if meter else ""))
     finally:
         with torch.no_grad():
@@ -309,8 +316,8 @@ def preflight(trainer, mode: str = "worst") -> list[dict]:
                 buf.copy_(saved)
         if fresh:
             states.clear()
-        trainer.precision.load_state_dict(scale)
+        step.precision.load_state_dict(scale)
         random.setstate(py_rng)
         np.random.set_state(np_rng)
-        release(trainer, collect=False)
+        release(step, collect=False)
     return results

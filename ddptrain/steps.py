@@ -1,9 +1,15 @@
-"""StepStream: the training data as a stream of optimizer steps.
+"""A training step's data and work: the stream of steps, and one micro-batch's forward and backward.
 
-It owns what turns a DataLoader into steps: epochs, the resume position (O(1) through a stateful
-batch sampler, by skipping batches otherwise), the epoch protocol of samplers and datasets
-(``set_epoch``), and the grouping of batches into one step's micro-batches. The loop then reads
-``for micro in stream: train_step(micro)``; the counters it advances live in the progress record.
+:class:`StepStream` turns a DataLoader into steps: epochs, the resume position (O(1) through a
+stateful batch sampler, by skipping batches otherwise), the epoch protocol of samplers and
+datasets (``set_epoch``), and the grouping of batches into one step's micro-batches. The loop then
+reads ``for micro in stream: train_step(micro)``; the counters it advances live in the progress
+record.
+
+:func:`forward_backward` is the one copy of a micro-batch's work (autocast, the loss contract,
+loss scaling, backward, the error that names the batch), adding into :class:`StepSums`, what
+:class:`ddptrain.update.StepUpdate` all-reduces. ``Trainer.train_step``, the pre-flight check
+and the tuner (ddptrain/preflight.py, ddptrain/tune.py) all step through it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ddptrain.config import TrainerConfig
+from ddptrain.contract import TrainingError, batch_ids, check_loss_output, unit_faults
+from ddptrain.precision import Precision
 from ddptrain.progress import RNGStreams, TrainingProgress
 
 
@@ -24,6 +32,61 @@ def stateful_sampler(loader: Any) -> Optional[Any]:
     if bs is not None and all(hasattr(bs, m) for m in ("state_dict", "load_state_dict", "set_epoch")):
         return bs
     return None
+
+
+class StepSums:
+    """This rank's sums over one step's micro-batches (0-d float64 tensors on ``device``): the
+    loss, the units a loss_fn counted as tensors, their faults (:func:`ddptrain.contract.unit_faults`),
+    and the units it counted as host numbers, which never need a copy to the device."""
+
+    def __init__(self, device: torch.device):
+        f64 = dict(dtype=torch.float64, device=device)
+        self.device = device
+        self.loss, self.units, self.negative = (torch.zeros((), **f64) for _ in range(3))
+        self.units_host = 0.0
+
+    def add(self, loss_sum: torch.Tensor, units: Any) -> None:
+        self.loss += loss_sum.detach().double()
+        if isinstance(units, torch.Tensor):
+            units = units.detach().to(self.device, torch.float64).reshape(())
+            self.units += units
+            self.negative += unit_faults(units)  # negative, NaN or inf: the guard names it
+        else:
+            self.units_host += float(units)
+
+    def totals(self) -> tuple:
+        """The first four arguments of :meth:`ddptrain.update.StepUpdate.__call__`."""
+        return self.loss, self.units, self.units_host, self.negative
+
+
+def forward_backward(model: torch.nn.Module, loss_fn: Callable, precision: Precision, batch: Any, where: str,
+                     sums: StepSums, scale: float = 1.0, weight: float = 1.0) -> None:
+    """One micro-batch: ``loss_fn(model, batch)`` under autocast, the backward of its loss x
+    ``scale`` (fp16: loss-scaled), its loss and units added to ``sums``.
+
+    Args:
+        model: what the forward calls: the loop's DDP wrapper, or the prepared model itself.
+        batch: on the device already.
+        where: "rank r, step s, micro-batch i" (or the bucket being measured), for errors.
+        scale: the loss's pre-scale (the Trainer's ``unit_scale``: gradients of about unit size).
+        weight: 0.0: a replayed batch standing in for an empty one (zero gradient, zero units).
+
+    Raises:
+        TrainingError: ``loss_fn`` broke the loss contract.
+        RuntimeError: any other error of the forward or backward, naming ``where`` and the
+            batch's ids; the original is its cause (an out-of-memory error stays recognisable).
+    """
+    try:
+        with precision.autocast():
+            loss_sum, units = check_loss_output(loss_fn(model, batch), where)
+        if weight == 0.0:
+            loss_sum, units = loss_sum * 0.0, 0
+        precision.scale(loss_sum.float() * scale).backward()
+    except TrainingError:
+        raise
+    except Exception as e:
+        raise RuntimeError(f"{where}: {type(e).__name__}: {e}{batch_ids(batch)}") from e
+    sums.add(loss_sum, units)
 
 
 class StepStream:

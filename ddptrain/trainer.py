@@ -25,26 +25,17 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, resume, runfolder, weights
-from ddptrain import offload, preflight
-from ddptrain.activation_offload import apply_offload
-from ddptrain.compile import apply_compile, compile_whole
+from ddptrain import dist, preflight, resume, runfolder, weights
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
-from ddptrain.contract import TrainingError, batch_ids, check_loss_output, is_empty, to_device, unit_faults
+from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
-from ddptrain.lora import apply_lora
 from ddptrain.metrics import reduce_ratios
-from ddptrain.optim import apply_hparams, build_optimizer, build_scheduler, optimizer_state
-from ddptrain.precision import MasterWeights, Precision
+from ddptrain.optim import apply_hparams, build_scheduler, optimizer_state
+from ddptrain.prepare import prepare_model, prepare_step
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
-from ddptrain.recompute import apply_recompute
-from ddptrain.sharded_grads import ShardedGradReducer
-from ddptrain.sharded_masters import ShardedMasterWeights
-from ddptrain.steps import StepStream, stateful_sampler
-from ddptrain.streamed_base import place_model, stream_base
-from ddptrain.update import StepUpdate
+from ddptrain.steps import StepStream, StepSums, forward_backward, stateful_sampler
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -106,54 +97,17 @@ class Trainer:
     # ------------------------------------------------------------------ set-up, in three steps
 
     def _setup_model(self, model: nn.Module) -> None:
-        """Device, LoRA, recompute, compile, master weights, DDP: the order each of them needs."""
-        cfg = self.cfg
-        # lora.base_offload: the streamed base stays off the GPU; LoRA first: recompute/compile/masters/DDP see its params
-        model, lc = place_model(model, self.device, cfg), cfg.lora
-        self.adapted = apply_lora(model, lc.targets, lc.rank, lc.alpha, lc.dropout, lc.trainable) if lc.enabled else []
-        self.recomputed: list[str] = []
-        if cfg.recompute.enabled:
-            self.recomputed = apply_recompute(model, cfg.recompute)
-        self.activation_offload = apply_offload(model, cfg.recompute, self.device)  # recompute.offload: saved tensors to host
-        self.compiled = apply_compile(model, cfg.compile)  # regional: selected blocks only
-        self.master: Optional[MasterWeights] = None
-        if cfg.trainer.param_dtype == "bf16":  # bf16 model, fp32 masters in the optimizer
-            if self.info.distributed:
-                dist.broadcast_module(model)  # the masters are made here: same start on every rank
-            sharded = cfg.optim.zero and self.info.world_size > 1  # each rank: its own partition's masters
-            if cfg.optim.offload == "cpu":  # each rank's partition of masters on the host, updated there
-                if self.info.world_size > 1 and not cfg.optim.zero:  # its checkpoints are sharded masters'
-                    raise ConfigError("optim.offload=cpu on several processes shards the masters as optim.zero "
-                                      "does: set optim.zero=true (a resume may then turn the offload off)")
-                self.master = offload.prepare(model, cfg.optim.offload_chunk_mb, self.device)
-            else:
-                self.master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
-        self.streamed = stream_base(model, cfg, self.device, self.recomputed)  # after the masters' casts, before DDP
-        self.module = model
-        ddp = self.info.distributed and not self._shard_grads()
-        if self._shard_grads():  # instead of DDP: each rank reduces into, and keeps, its own partition's gradients
-            if getattr(self.master, "owners", None) is None:
-                raise ConfigError("optim.shard_grads=true needs the sharded fp32 masters of optim.zero=true "
-                                  "(this set-up has no partition of the masters to shard the gradients by)")
-            self.model = ShardedGradReducer(model, self.master.owners, cfg.dist.bucket_cap_mb,
-                                            cfg.dist.broadcast_buffers)
-        else:
-            self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
-        if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
-            # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
-            self.model = compile_whole(self.model, cfg.compile, cfg.dist.bucket_cap_mb if ddp else None,
-                                       recomputed=len(self.recomputed))
+        """Device, LoRA, recompute, compile, master weights, DDP (ddptrain/prepare.py; the tuner's too)."""
+        m = self.prepared = prepare_model(model, self.cfg, self.info)
+        self.module, self.model, self.master, self.streamed = m.module, m.model, m.master, m.streamed
+        self.adapted, self.recomputed, self.compiled = m.adapted, m.recomputed, m.compiled
+        self.activation_offload = m.activation_offload
 
     def _setup_optimizer(self) -> None:
         """Optimizer (plain or ZeRO, over the masters if any), precision policy, LR schedule."""
-        cfg, t = self.cfg, self.cfg.trainer
-        self.optimizer = build_optimizer(self.module, cfg.optim, self.device, self.master)
-        self.precision = Precision(t.precision, self.device, t.fp16_init_scale)
-        # the tensors whose gradients backward fills (the model's; with masters they are bf16)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.update = StepUpdate(self.optimizer, self.precision, self.master, params, self.info.world_size,
-                                 t.clip_grad_norm, self.device, sharded_grads=self._shard_grads())
-        self.guard = StepGuard(t, self.precision, self.progress)  # it prints through the logger, once made
+        s = self.one_step = prepare_step(self.prepared, self.loss_fn, self.cfg, self.info)  # all preflight sees
+        self.optimizer, self.precision, self.update = s.optimizer, s.precision, s.update
+        self.guard = StepGuard(self.cfg.trainer, self.precision, self.progress)  # prints through the logger, once made
 
     def _setup_data(self) -> None:
         """Loader workers, run length and schedule horizon, signals, GC, CPU threads."""
@@ -188,7 +142,8 @@ class Trainer:
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
         try:
-            preflight.before_fit(self)  # trainer.preflight: an OOM now, not in hours
+            # trainer.preflight: an out-of-memory error now, not in hours
+            preflight.before_fit(t.preflight, self.one_step, self.train_data, self.logger.print)
             if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
@@ -223,10 +178,7 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; collective with all ranks."""
         p = self.progress
         self.model.train()
-        loss_acc = torch.zeros((), dtype=torch.float64, device=self.device)
-        units_dev = torch.zeros((), dtype=torch.float64, device=self.device)
-        units_host = 0.0  # a loss_fn may count units on the host: no copy to the device per micro-batch
-        negative = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = StepSums(self.device)
         for i, batch in enumerate(micro_batches):
             weight = 1.0
             if is_empty(batch):  # every utterance in it was skipped as bad data
@@ -238,32 +190,15 @@ class Trainer:
                 batch, weight = self._last_batch, 0.0
             else:
                 self._last_batch = batch
-            batch = to_device(batch, self.device)
             # all-reduce the gradients only on the last micro-batch: earlier ones just accumulate
             last = i == len(micro_batches) - 1
             sync = last or not self.info.distributed
             if getattr(self.master, "streams", False):  # optim.offload on one rank: the last backward's
                 self.master.streaming = last            # gradients go to the host as autograd makes them
             with (contextlib.nullcontext() if sync else self.model.no_sync()):
-                try:
-                    with self.precision.autocast():
-                        loss_sum, units = check_loss_output(self.loss_fn(self.model, batch), self._where(i))
-                    if weight == 0.0:
-                        loss_sum, units = loss_sum * 0.0, 0
-                    self.precision.scale(loss_sum.float() * p.unit_scale).backward()
-                except TrainingError:
-                    raise
-                except Exception as e:
-                    raise RuntimeError(f"{self._where(i)}: {type(e).__name__}: {e}{batch_ids(batch)}") from e
-            loss_acc += loss_sum.detach().double()
-            if isinstance(units, torch.Tensor):
-                units = units.detach().to(self.device, torch.float64).reshape(())
-                units_dev += units
-                negative += unit_faults(units)  # negative, NaN or inf: the guard names it
-            else:
-                units_host += float(units)
-
-        out = self.update(loss_acc, units_dev, units_host, negative, self.preemption.requested, p.unit_scale)
+                forward_backward(self.model, self.loss_fn, self.precision, to_device(batch, self.device),
+                                 self._where(i), sums, p.unit_scale, weight)
+        out = self.update(*sums.totals(), self.preemption.requested, p.unit_scale)
         if out["stepped"]:
             self.scheduler.step()  # the schedule only advances with real updates
         p.step += 1
@@ -413,9 +348,6 @@ class Trainer:
     step = property(lambda self: self.progress.step, doc="optimizer steps taken (see also .progress)")
     skipped_steps = property(lambda self: self.progress.skipped_steps)
     skip_on_device = property(lambda self: self.update.on_device, doc="non-finite steps are skipped on the device")
-
-    def _shard_grads(self) -> bool:
-        return self.cfg.optim.shard_grads and self.info.world_size > 1  # one rank: DDP-free already
 
     def _where(self, micro: int) -> str:
         return f"rank {self.info.rank}, step {self.progress.step + 1}, micro-batch {micro}"

@@ -5,9 +5,10 @@ longest utterances run out of memory hours into a run; too low, the GPU is half 
 tuner runs, for each bucket of the training sampler, the costliest batch that bucket can produce
 (:meth:`DurationBucketSampler.pessimistic_batch`: B rows of its longest input and, with a second
 length, its longest target, padded as training's batches are, so a model takes its masked path
-as it does in training) through one real training step: the Trainer's own model set-up (device,
-recompute, compile, bf16 masters), loss, backward, clipping and optimizer step, at the config's
-precision. It searches the largest B per bucket whose peak memory
+as it does in training) through one real training step: the Trainer's own model set-up
+(:func:`ddptrain.prepare.prepare_model`: device, recompute, compile, bf16 masters) and step
+(:func:`ddptrain.steps.forward_backward`: loss, backward; then clipping and the optimizer step),
+at the config's precision, with no Trainer and nothing written to disk. It searches the largest B per bucket whose peak memory
 (``torch.cuda.max_memory_allocated``) stays under a target, and prints the largest single
 ``data.max_duration`` under which every bucket's batch stays at or below its measured size
 (about a minute on one H200 for wav2vec2-large, the Conformer and GLM-ASR)::
@@ -40,31 +41,28 @@ sharded masters only lower the per-rank memory of an N-GPU run, so a budget foun
 
 The pre-flight check (``trainer.preflight``) and the pieces the tuner shares with it (one
 training step at learning rate 0, the sampler's buckets, memory measurement) are in
-ddptrain/preflight.py: the Trainer imports that module, and this one imports the Trainer.
+ddptrain/preflight.py, which the Trainer imports without this command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import importlib.util
 import inspect
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ddptrain import dist
-from ddptrain.config import Config, ConfigError, load_config
+from ddptrain.config import Config, ConfigError, check_config, load_config
 from ddptrain.data.sampler import padded_cost
 from ddptrain.preflight import (GB, Bucket, CudaMemory, PreflightError, before_fit, bucket_sampler, device_meter,
                                 is_oom, loader_batches, lr_zero, preflight, release, sampler_buckets, train_once)
-from ddptrain.trainer import Trainer
+from ddptrain.prepare import prepare_model, prepare_step
 
 # the tuner's own names, and the pre-flight check's (importable from here as before preflight.py)
 __all__ = ["TuneError", "search_batch_sizes", "default_meter", "find_max_duration", "single_max_duration",
@@ -152,14 +150,6 @@ def default_meter(device: torch.device) -> CudaMemory:
     return meter
 
 
-def _tuning_config(config, folder: str):
-    cfg = copy.deepcopy(config)
-    cfg.trainer = dataclasses.replace(cfg.trainer, output_dir=folder, preflight="none", preempt_signals=[])
-    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, resume="none", keep_best=0, min_free_gb=0.0)
-    cfg.logging = dataclasses.replace(cfg.logging, tensorboard=False, jsonl=False, progress_bar=False)
-    return cfg
-
-
 def find_max_duration(model: torch.nn.Module, loss_fn, config, loader_or_sampler, memory_target_gb: Optional[float],
                       tolerance: float = 0.02, make_batch=None, meter=None,
                       say: Callable[[str], None] = print) -> dict:
@@ -197,29 +187,31 @@ def find_max_duration(model: torch.nn.Module, loss_fn, config, loader_or_sampler
     if dist.get_world_size() > 1:
         raise ConfigError("run the tuner in one process (python, not torchrun): its budgets hold per rank")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder, \
-            Trainer(model, loss_fn, _tuning_config(config, folder), loader_or_sampler) as trainer:
-        meter = meter or default_meter(trainer.device)
-        memory_target_gb = memory_target_gb or round(0.9 * meter.capacity() / GB, 1)
-        buckets = sorted(sampler_buckets(sampler), key=lambda b: (-b.longest, -(b.max_tokens or 0), b.index))
+    config = check_config(config)  # a Config built in Python gets load_config's checks too
+    info = dist.setup_for(config)  # the device, its memory cap and allocator settings, as the Trainer's
+    meter = meter or default_meter(info.device)
+    torch.use_deterministic_algorithms(config.trainer.deterministic)  # its kernels are training's
+    step = prepare_step(prepare_model(model, config, info), loss_fn, config, info)
+    memory_target_gb = memory_target_gb or round(0.9 * meter.capacity() / GB, 1)
+    buckets = sorted(sampler_buckets(sampler), key=lambda b: (-b.longest, -(b.max_tokens or 0), b.index))
 
-        def try_batch(b: Bucket, size: int) -> Optional[float]:
-            batch = make_batch(sampler.pessimistic_batch(b.index, size))
-            meter.reset()
-            failed = train_once(trainer, batch, f"tuning {b.describe(size)}")
-            peak = meter.peak()
-            batch = None
-            release(trainer, collect=failed is not None)
-            return None if failed else peak
+    def try_batch(b: Bucket, size: int) -> Optional[float]:
+        batch = make_batch(sampler.pessimistic_batch(b.index, size))
+        meter.reset()
+        failed = train_once(step, batch, f"tuning {b.describe(size)}")
+        peak = meter.peak()
+        batch = None
+        release(step, collect=failed is not None)
+        return None if failed else peak
 
-        with lr_zero(trainer.optimizer):
-            shortest = buckets[-1]
-            if try_batch(shortest, 1) is None:  # allocates the optimizer state, as in a running job
-                raise TuneError(f"the warm-up step ({shortest.describe(1)}) ran out of memory")
-            base = meter.current()
-            say(f"tuning {len(buckets)} buckets on {meter.name()}: target {memory_target_gb:.3g} GB of "
-                f"{meter.capacity() / GB:.3g}; {base / GB:.3g} GB at rest (weights, optimizer state)")
-            found = search_batch_sizes(buckets, try_batch, memory_target_gb * GB, base, tolerance, say)
+    with lr_zero(step.optimizer):
+        shortest = buckets[-1]
+        if try_batch(shortest, 1) is None:  # allocates the optimizer state, as in a running job
+            raise TuneError(f"the warm-up step ({shortest.describe(1)}) ran out of memory")
+        base = meter.current()
+        say(f"tuning {len(buckets)} buckets on {meter.name()}: target {memory_target_gb:.3g} GB of "
+            f"{meter.capacity() / GB:.3g}; {base / GB:.3g} GB at rest (weights, optimizer state)")
+        found = search_batch_sizes(buckets, try_batch, memory_target_gb * GB, base, tolerance, say)
     found.sort(key=lambda r: r["bucket"])
     single = single_max_duration(sampler, found)
     if single is None:  # every bucket reached its cap: the budget that gives each its cap

@@ -129,3 +129,28 @@ def test_tied_weights_have_one_master_and_save_and_resume(tmp_path):
     resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoints" / "step_00000002"))
     assert resumed.module.out.weight is resumed.module.emb.weight
     assert torch.equal(resumed.master.to_master[resumed.module.emb.weight].detach(), master)
+
+
+def test_reset_scaler_forgets_a_failed_step_and_keeps_the_scale():
+    """A step that failed after unscale_ (an OOM in the pre-flight check or the tuner) leaves
+    GradScaler refusing the next unscale_; reset_scaler clears that, and the scale and its growth
+    count stay as they were."""
+    from ddptrain.precision import Precision
+
+    w = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    prec = Precision("fp16", torch.device("cpu"), init_scale=1024.0)
+    prec.scale((w * 2).sum()).backward()
+    assert prec.step(opt)  # a finite step: the growth count is now 1
+    grown = prec.state_dict()
+    prec.scale((w * 2).sum()).backward()
+    prec.unscale_(opt)  # ... and the step fails here
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        prec.unscale_(opt)
+    prec.reset_scaler()
+    assert prec.state_dict() == grown and prec.loss_scale() == 1024.0
+    w.grad = None
+    prec.scale((w * 2).sum()).backward()
+    prec.unscale_(opt)
+    assert torch.equal(w.grad, torch.full((4,), 2.0))  # unscaled by the kept scale
+    Precision("bf16", torch.device("cpu")).reset_scaler()  # no scaler: nothing to reset

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -18,8 +19,9 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain import tune
+from ddptrain import dist, tune
 from ddptrain.data import DurationBucketSampler, SpeechCollator
+from ddptrain.prepare import prepare_model, prepare_step
 from ddptrain.tune import Bucket, PreflightError, TuneError, search_batch_sizes
 
 from _dist import run_ranks
@@ -270,6 +272,33 @@ def test_the_tuner_measures_padded_batches_as_training_runs_them(tmp_path):
         device.close()
 
 
+def test_the_tuner_builds_no_trainer_and_writes_nothing(tmp_path, monkeypatch):
+    """find_max_duration prepares the model as the Trainer does (ddptrain/prepare.py) and steps it
+    without one: no run folder, no temporary folder, no logs (it used to build a whole Trainer in a
+    temporary folder); the pre-flight check runs on that same narrow OneStep."""
+    scratch, made, mkdtemp = tmp_path / "tmp", [], tempfile.mkdtemp
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **kw: made.append(mkdtemp(*a, **kw)) or made[-1])
+    monkeypatch.setattr(ddptrain.Trainer, "__init__", lambda *a, **kw: pytest.fail("the tuner built a Trainer"))
+    cfg = config(tmp_path, "trainer.preflight=all")
+    device = FakeDevice()
+    try:
+        doc = tune.find_max_duration(Tiny(), frame_loss, cfg, loader(), (device.base + 60e3) / 1e9, tolerance=0,
+                                     meter=device, say=lambda line: None)
+        step = prepare_step(prepare_model(Tiny(), cfg, dist.setup_for(cfg)), frame_loss, cfg, dist.setup_for(cfg))
+        said: list[str] = []
+        checked = tune.preflight(step, loader(), "all", say=said.append)
+    finally:
+        device.close()
+    assert doc["max_duration"] > 0 and len(doc["buckets"]) == 4
+    assert [r["bucket"] for r in checked] == [3, 2, 1, 0] and len(said) == 4 and all("fits" in s for s in said)
+    assert not os.path.exists(tmp_path / "run"), "trainer.output_dir was created"
+    assert made == [], "the tuner made a temporary folder"
+    # torch's own kernel cache folder (torchinductor_USER) is made by building any optimizer
+    assert [n for n in os.listdir(scratch) if not n.startswith("torchinductor")] == []
+
+
 def test_the_tuner_needs_a_bucket_sampler_and_one_process(tmp_path):
     plain = torch.utils.data.DataLoader(Frames(), batch_size=4)
     with pytest.raises(ddptrain.ConfigError, match="DurationBucketSampler"):
@@ -419,7 +448,7 @@ def test_preflight_of_a_resumed_optimizer_leaves_its_state_alone(tmp_path):
         trainer.fit()
         state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
         params = [p.detach().clone() for p in trainer.module.parameters()]
-        tune.preflight(trainer, "all")
+        tune.preflight(trainer.one_step, trainer.train_data, "all")
         for p, s in trainer.optimizer.state.items():
             assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
         assert all(torch.equal(a, b) for a, b in zip(params, trainer.module.parameters()))
