@@ -28,11 +28,11 @@ setup(
     entry_points={"console_scripts": [
         "ddptrain-config = ddptrain.config:main",
         "ddptrain-features = ddptrain.data.features:main",
-        "ddptrain-lora = ddptrain.lora:main",
         "ddptrain-memory = ddptrain.memory:main",
         "ddptrain-shards = ddptrain.data.shards:main",
         "ddptrain-tune = ddptrain.tune:main",
         "ddptrain-validate = ddptrain.data.validate:main",
+        "ddptrain-weights = ddptrain.weights:main",
     ]},
     license="Apache-2.0",
 )

@@ -38,7 +38,7 @@ def test_every_python_m_tool_has_a_command_and_no_command_lacks_a_tool():
     assert all(name.startswith("ddptrain-") for name in targets), sorted(targets)
     modules = {t.split(":")[0] for t in targets.values()}
     assert modules == modules_with_main_blocks(), "a python -m tool without a console command (or the reverse)"
-    assert {"ddptrain-tune", "ddptrain-memory", "ddptrain-validate", "ddptrain-lora"} <= set(targets)
+    assert {"ddptrain-tune", "ddptrain-memory", "ddptrain-validate", "ddptrain-weights"} <= set(targets)
 
 
 @pytest.mark.parametrize("command", sorted(console_scripts()))
