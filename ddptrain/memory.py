@@ -34,7 +34,7 @@ tier                                        GPU B/param       host B/param (per 
 bf16 weights + fp32 masters                 16 (+4 transient) 0
 + sharded masters (``optim.zero``)          4 + 12/N (+4/N)   0
 + sharded gradients (``optim.shard_grads``) 2 + 2/N + 12/N    0
-+ optimizer offload (``optim.offload: cpu``) 2 + 2/N          (4 + 8 + 2)/N + one fp32 chunk
++ optimizer offload (``optim.offload: cpu``) 2 + 2/N (1 GPU: 2) (4 + 8 + 2)/N + one fp32 chunk
 ==========================================  ================  ==============================
 
 Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split with the Adam state,
@@ -45,7 +45,9 @@ staging copy of the gradients and weights (2 B) of each rank's partition live in
 memory, with one chunk (``optim.offload_chunk_mb``, MB of bf16 gradients) of fp32 gradient
 scratch; the GPU keeps the bf16 weights and gradients only (no GPU-side staging: the copies go
 straight between the gradients/weights and the pinned buffer). Without sharded gradients the GPU
-keeps ``2 + 2`` B.
+keeps ``2 + 2`` B; on one GPU with one micro-batch a step, ``2``: each gradient is copied to the
+host and freed as the backward finishes it (with accumulation, the earlier micro-batches'
+gradients wait on the GPU).
 
 Frozen parameters (LoRA's base, a frozen encoder) cost their weights only: 2 B each under
 ``param_dtype: bf16``, no gradient, master or optimizer state (``--trainable`` on the command
@@ -317,6 +319,8 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         opt_bytes = shard * per_state
     if offload:  # masters, optimizer state and the fp32 gradients of the step all on the host
         masters = master_grads = opt_bytes = 0
+        if not ddp and int(cfg.trainer.grad_accum_steps) == 1:
+            grad_bytes = 0  # one rank: each gradient leaves for the host as the backward makes it
     buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view and not shard_grads else 0
     autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") and not bf16 else 0
     # frozen weights are cast too, but count the trainable ones: a frozen feature encoder's
