@@ -118,6 +118,8 @@ def release(step, collect: bool = True) -> None:
     traceback cycles hold the activations) garbage."""
     step.optimizer.zero_grad(set_to_none=True)  # the masters' gradients, if any
     step.model.zero_grad(set_to_none=True)
+    if step.update.master is not None:
+        step.update.master.zero_model_grads()  # offload: also what a failed backward had sent to the host
     step.precision.reset_scaler()  # a failed step may have left the scaler mid-step
     if collect:
         gc.collect()
@@ -146,6 +148,7 @@ def train_once(step, batch: Any, where: str, update: bool = True) -> Optional[st
     """
     failed, sums = None, StepSums(step.device)
     step.model.train()
+    step.update.before_backward(update)  # as the loop's last micro-batch: offload sends the gradients on
     try:
         forward_backward(step.model, step.loss_fn, step.precision, to_device(batch, step.device), where, sums)
     except Exception as e:  # only an OOM is an answer, anything else is raised

@@ -193,8 +193,7 @@ class Trainer:
             # all-reduce the gradients only on the last micro-batch: earlier ones just accumulate
             last = i == len(micro_batches) - 1
             sync = last or not self.info.distributed
-            if getattr(self.master, "streams", False):  # optim.offload on one rank: the last backward's
-                self.master.streaming = last            # gradients go to the host as autograd makes them
+            self.update.before_backward(last)
             with (contextlib.nullcontext() if sync else self.model.no_sync()):
                 forward_backward(self.model, self.loss_fn, self.precision, to_device(batch, self.device),
                                  self._where(i), sums, p.unit_scale, weight)

@@ -45,6 +45,12 @@ class StepUpdate:
         self.on_device = precision.mode != "fp16" and skips_on_device(optimizer)
         self.offloaded = getattr(master, "offloaded", False)  # ddptrain/offload.py steps on the host
 
+    def before_backward(self, last: bool) -> None:
+        """Called before each micro-batch's backward: during the step's last one, an offloaded
+        master on one rank (ddptrain/offload.py) takes each gradient to the host as it is made."""
+        if self.offloaded and self.master.streams:
+            self.master.streaming = last
+
     def __call__(self, loss_sum: torch.Tensor, units_dev: torch.Tensor, units_host: float,
                  negative: torch.Tensor, preempt: bool, unit_scale: float) -> dict:
         """All-reduce, normalise, clip and step (or skip); zero the gradients.

@@ -8,6 +8,7 @@ same fp32 masters and bf16 gradients: the tests ask for bitwise equality.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 import ddptrain
 from _dist import run_ranks
+from ddptrain import preflight
 from ddptrain.config import ConfigError
 from ddptrain.offload import OffloadedMasters
 from test_trainer import FEAT, FrameMLP, frame_loss, make_cfg, micro_batches, params_of
@@ -89,13 +91,20 @@ def test_offload_one_rank_sends_the_last_backwards_gradients_during_it(tmp_path)
     gradient is left on the device (the result is the bitwise test's above)."""
     seen = []
 
-    def watch(trainer):
-        real = trainer.update
+    class Spy:  # the StepUpdate, looked at when the loop calls it
+        def __init__(self, trainer):
+            self.trainer, self.real = trainer, trainer.update
 
-        def spy(*a, **k):
-            seen.append(([p.grad is not None for p in trainer.master.trainable], list(trainer.master._sent)))
-            return real(*a, **k)
-        trainer.update = spy
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def __call__(self, *a, **k):
+            master = self.trainer.master
+            seen.append(([p.grad is not None for p in master.trainable], list(master._sent)))
+            return self.real(*a, **k)
+
+    def watch(trainer):
+        trainer.update = Spy(trainer)
 
     _run(tmp_path, "off", _data_one_rank(), *SMALL_CHUNKS, watch=watch)
     assert len(seen) == STEPS
@@ -240,3 +249,48 @@ def _no_zero_worker(rank, world, out):
 @pytest.mark.timeout(120)
 def test_offload_on_several_ranks_needs_optim_zero(tmp_path):
     run_ranks(_no_zero_worker, 2, str(tmp_path))
+
+
+class _OomInBackward(torch.autograd.Function):
+    """Identity forward; its backward fails as a GPU out of memory would, after the layers above
+    it have made (and the offload has sent) their gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB (simulated)")
+
+
+def _oom_loss(model, batch):
+    h = _OomInBackward.apply(model.net[0](batch["x"]))
+    pred = model.net[1:](h).squeeze(-1)
+    mask = torch.arange(batch["x"].shape[1])[None, :] < batch["lens"][:, None]
+    return (((pred.float() - batch["y"]) ** 2) * mask).sum(), mask.sum()
+
+
+@pytest.mark.timeout(120)
+def test_a_preflight_step_that_fails_mid_backward_leaves_the_offload_nothing(tmp_path):
+    """preflight.train_once sends the gradients on as the loop's last micro-batch does; when its
+    backward fails half-way (an out-of-memory error), release() drops what was already sent, and
+    the run that follows is bitwise the one without the failed step."""
+    data = _data_one_rank()
+    clean, clean_losses, _ = _run(tmp_path, "clean", data, *SMALL_CHUNKS)
+    failed = []
+
+    def fail_once(trainer):
+        step = trainer.one_step
+        oom = preflight.train_once(dataclasses.replace(step, loss_fn=_oom_loss), data[0], "preflight")
+        failed.append((oom, list(trainer.master._sent)))
+        preflight.release(step)
+
+    after, after_losses, master = _run(tmp_path, "after", data, *SMALL_CHUNKS, watch=fail_once)
+    oom, sent = failed[0]
+    assert oom and "out of memory" in oom
+    assert any(sent) and not all(sent), "the failure should come after some gradients were sent"
+    assert not any(master._sent)
+    assert after_losses == clean_losses
+    for k, v in clean.items():
+        assert torch.equal(after[k], v), k
