@@ -44,6 +44,7 @@ from ddptrain.sharded_grads import ShardedGradReducer
 from ddptrain.sharded_masters import ShardedMasterWeights
 from ddptrain.steps import StepStream, stateful_sampler
 from ddptrain.streamed_base import place_model, stream_base
+from ddptrain.throughput import AllReduceTimer, FlopsFn, ThroughputWindow
 from ddptrain.update import StepUpdate
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
@@ -64,6 +65,9 @@ class Trainer:
         eval_data: optional evaluation loader (each rank evaluates its own shard).
         metrics_fn: optional ``(model, batch) -> {name: (numerator, denominator)}`` for eval
             metrics such as WER = (word errors, reference words).
+        flops_fn: optional ``(batch) -> float``: model FLOPs of the forward + backward of one
+            micro-batch, called on its host copy; the log then shows ``tflops_per_gpu`` and
+            ``mfu`` (ddptrain/throughput.py; the recipes' helpers: examples/models/train_flops.py).
 
     The run folder (``trainer.output_dir``) is held from here to the end of :meth:`fit` (see
     ddptrain/runfolder.py); the logger stays open for evaluations after ``fit`` until
@@ -71,7 +75,8 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, config: Config, train_data: Iterable,
-                 eval_data: Optional[Iterable] = None, metrics_fn: Optional[MetricsFn] = None):
+                 eval_data: Optional[Iterable] = None, metrics_fn: Optional[MetricsFn] = None,
+                 flops_fn: Optional[FlopsFn] = None):
         config = check_config(config)  # a Config built in Python gets load_config's checks too
         self.cfg, self.loss_fn, self.metrics_fn = config, loss_fn, metrics_fn
         self.train_data, self.eval_data = train_data, eval_data
@@ -92,9 +97,11 @@ class Trainer:
             self._setup_optimizer()
             self._setup_data()
             changed = self._resume(resume_from) if resume_from else {}
+            window = ThroughputWindow.for_run(config, self.info, flops_fn, self.allreduce_timer)
             self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main,
-                                    self.total_steps, self.progress.step)
+                                    self.total_steps, self.progress.step, window)
             self.guard.say = self.logger.print
+            dist.preflight(config.dist, self.info, self.logger, self.progress.step)  # a slow GPU link, named now
             if self.info.is_main:
                 resume.record(t.output_dir, to_yaml(config), self.progress.step if resume_from else None, changed)
         except BaseException:
@@ -131,6 +138,9 @@ class Trainer:
         self.streamed = stream_base(model, cfg, self.device, self.recomputed)  # after the masters' casts, before DDP
         self.module = model
         ddp = self.info.distributed and not self._shard_grads()
+        # logging.allreduce_share: how long each rank waits for the gradient all-reduce
+        self.allreduce_timer = AllReduceTimer(self.device) if (
+            ddp and self.info.world_size > 1 and cfg.logging.allreduce_share) else None
         if self._shard_grads():  # instead of DDP: each rank reduces into, and keeps, its own partition's gradients
             if getattr(self.master, "owners", None) is None:
                 raise ConfigError("optim.shard_grads=true needs the sharded fp32 masters of optim.zero=true "
@@ -138,7 +148,8 @@ class Trainer:
             self.model = ShardedGradReducer(model, self.master.owners, cfg.dist.bucket_cap_mb,
                                             cfg.dist.broadcast_buffers)
         else:
-            self.model = dist.wrap_ddp(model, cfg.dist, self.device) if self.info.distributed else model
+            self.model = (dist.wrap_ddp(model, cfg.dist, self.device, self.allreduce_timer)
+                          if self.info.distributed else model)
         if cfg.compile.enabled and not self.compiled:  # whole model, after DDP: dynamo then
             # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
             self.model = compile_whole(self.model, cfg.compile, cfg.dist.bucket_cap_mb if ddp else None,
@@ -193,10 +204,11 @@ class Trainer:
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
+            self.logger.window.reset()  # the first logged rates count steps, not set-up
             for micro in self.stream:  # until trainer.max_steps / max_epochs
                 out = self.train_step(micro)
                 self.gc.step(p.step)
-                self._log_step(out)
+                self._log_step(out, micro)
                 if self.eval_data is not None and t.eval_every > 0 and p.step % t.eval_every == 0:
                     self.evaluate()
                     self.gc.full()
@@ -417,9 +429,10 @@ class Trainer:
     def _where(self, micro: int) -> str:
         return f"rank {self.info.rank}, step {self.progress.step + 1}, micro-batch {micro}"
 
-    def _log_step(self, out: dict) -> None:
+    def _log_step(self, out: dict, micro: list) -> None:
         p = self.progress
         self.logger.step_done(p.step, out["loss_sum"], out["units"], self.stream.wait_s, p.step == self.total_steps,
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
-                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)})
+                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)},
+                              batches=micro)
