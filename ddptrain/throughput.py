@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ddptrain import dist
-from ddptrain.contract import is_empty
+from ddptrain.contract import batch_ids, is_empty
 
 FlopsFn = Callable[[Any], float]  # batch (host copy) -> model FLOPs of its forward + backward
 
@@ -181,7 +181,11 @@ class ThroughputWindow:
             self.samples += len(b["ids"]) if isinstance(b, dict) and "ids" in b else 0
             self.audio_s += self._seconds(b)
             if self.flops_fn is not None:
-                self.flops += float(self.flops_fn(b))
+                try:
+                    self.flops += float(self.flops_fn(b))
+                except Exception as e:
+                    raise RuntimeError(f"rank {self.rank}: flops_fn failed on a batch{batch_ids(b)}: "
+                                       f"{type(e).__name__}: {e}") from e
 
     def _seconds(self, batch: Any) -> float:
         """Audio seconds of a ddptrain.data batch, from host lengths only (a CUDA tensor would sync)."""

@@ -190,3 +190,10 @@ def test_two_ranks_log_wait_shares_and_the_preflight(tmp_path, capfd):
     assert all(w["figures"]["expected_busbw_gbps"] == 1e9 for w in warned)
     (text,) = warned[0]["printed"]
     assert "NCCL_P2P_LEVEL" in text and f"{warned[0]['figures']['allreduce_busbw_gbps']:.1f} GB/s" in text
+
+
+def test_a_broken_flops_fn_is_named_with_the_batch(tmp_path):
+    cfg = make_cfg(tmp_path, "trainer.max_steps=1")
+    with ddptrain.Trainer(FrameMLP(), frame_loss, cfg, speech_batches(1), flops_fn=lambda b: b["tokens"]) as t:
+        with pytest.raises(RuntimeError, match=r"flops_fn failed on a batch \[utterances: u0_0.*KeyError"):
+            t.fit()
