@@ -60,7 +60,7 @@ projector ``6 * P_proj * N``; decoder ``6 * P_dec_layers * B * L + 6 * n_dec * d
 L^2`` (causal: half of the full attention's 12); LM head ``6 * vocab * d_dec * K``, with K = B * L
 for the HF forward (logits everywhere) and K = target tokens for ddptrain's, and N = R * T/8 for
 the HF forward (the projector on every frame) and N = the audio placeholders for ddptrain's.
-Recomputation is not counted.
+Recomputation is not counted. The formulas: ``GlmAsrFlops`` in examples/models/train_flops.py.
 
     python bench/bench_glmasr.py --out bench/results/h200x1_2026-12-01_glmasr.jsonl \\
         --peers hf,hf_ds2,bare,ddptrain,ddptrain_best,ddptrain_best_cut
@@ -90,6 +90,7 @@ from ddptrain.data import SyntheticCorpus  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
 from measure import (TimedLoss, append_row, cap_gpu_memory, device, mem_reset, named_peers, peak_gb,  # noqa: E402
                      peer_row, sync)
+from models.train_flops import GlmAsrFlops  # noqa: E402
 
 SR = 16000
 OVERRIDES = {
@@ -121,28 +122,6 @@ HF_PEERS = ("hf", "hf_compile", "hf_ds2", "hf_ds2_offload", "hf_grouped", "hf_co
 
 
 # ------------------------------------------------------------------------------------ FLOPs
-
-
-class GlmAsrFlops:
-    """Training FLOPs of one padded batch (see the module docstring); plain numbers, picklable."""
-
-    def __init__(self, hf_model):
-        m, c = hf_model.model, hf_model.config
-        count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
-        self.p_enc = count(m.audio_tower.layers)
-        self.p_dec = count(m.language_model.layers)
-        self.p_proj = count(m.multi_modal_projector)
-        self.n_enc, self.d_enc = c.audio_config.num_hidden_layers, c.audio_config.hidden_size
-        self.n_dec, self.d_dec = c.text_config.num_hidden_layers, c.text_config.hidden_size
-        self.mel, self.vocab = c.audio_config.num_mel_bins, c.text_config.vocab_size
-
-    def __call__(self, rows: int, frames: int, batch: int, length: int, logits: int, projected: int) -> float:
-        t2 = frames // 2
-        enc = 6.0 * self.p_enc * rows * t2 + 12.0 * self.n_enc * self.d_enc * rows * t2 * t2
-        conv = rows * (2.0 * 2 * frames * self.mel * 3 * self.d_enc + 3.0 * 2 * t2 * self.d_enc * 3 * self.d_enc)
-        proj = 6.0 * self.p_proj * projected
-        dec = 6.0 * self.p_dec * batch * length + 6.0 * self.n_dec * self.d_dec * batch * length * length
-        return enc + conv + proj + dec + 6.0 * self.vocab * self.d_dec * logits
 
 
 class StatsCollate:

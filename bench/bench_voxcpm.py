@@ -36,11 +36,9 @@ on one GPU trains on exactly the batches of the N-GPU run (all ranks' batches in
 Timing: ``--warmup`` steps, then ``--steps`` timed steps, host clock around a device sync.
 audio-s/s counts the real (unpadded) seconds of the utterances trained on. Padding: the share
 of LM positions (B x S) that are padding. MFU = FLOPs of the padded batches / (time x 989.4e12,
-the dense bf16 peak of one H100/H200 SXM); per batch of B rows of S positions, patch P: base and
-residual LM ``6 * P_layers * B*S + 6 * n * d * B * S^2`` (causal), local encoder on B*S rows of
-P+1 tokens and local DiT on B*S rows of 2P+1 tokens ``6 * P_layers * rows * L + 12 * n * d * rows
-* L^2``, the other weights ``6 * P * B*S``; the VAE (upstream runs its encoder in every step) is
-not counted.
+the dense bf16 peak of one H100/H200 SXM), the FLOPs of ``VoxCpmFlops``
+(examples/models/train_flops.py, the recipe's ``flops_fn``); the VAE (upstream runs its encoder in
+every step) is not counted.
 
     python bench/bench_voxcpm.py --out bench/results/h200x1_DATE_voxcpm.jsonl
     python bench/bench_voxcpm.py --dry --out /tmp/rows.jsonl     # CPU: tiny preset, a few steps
@@ -67,6 +65,7 @@ sys.path[:0] = [p for p in (HERE, os.path.join(HERE, "..", "examples")) if p not
 
 from ddptrain.data import SyntheticCorpus  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
+from models.train_flops import VoxCpmFlops as Flops  # noqa: E402
 from measure import (Interleave, TimedLoss, append_row, cap_gpu_memory, device, mem_reset,  # noqa: E402
                      named_peers, peak_gb, peer_row, sync, world)
 
@@ -137,27 +136,6 @@ def upstream_collate(batch):
             "index": [s["index"] for s in batch]}
 
 
-class Flops:
-    def __init__(self, model, layout):
-        c = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-        lm, res = model.base_lm, model.residual_lm
-        enc, dit = model.feat_encoder.encoder, model.feat_decoder.estimator.decoder
-        self.parts = [(c(lm.layers), len(lm.layers), lm.config.hidden_size, None),
-                      (c(res.layers), len(res.layers), res.config.hidden_size, None),
-                      (c(enc.layers), len(enc.layers), enc.config.hidden_size, layout.patch_size + 1),
-                      (c(dit.layers), len(dit.layers), dit.config.hidden_size, 2 * layout.patch_size + 1)]
-        big = c(lm.layers) + c(res.layers) + c(enc.layers) + c(dit.layers) + lm.embed_tokens.weight.numel()
-        self.other = c(model) - big
-
-    def __call__(self, b: int, s: int) -> float:
-        total = 6.0 * self.other * b * s
-        for p, n, d, local in self.parts:
-            if local is None:  # causal over the sequence
-                total += 6.0 * p * b * s + 6.0 * n * d * b * s * s
-            else:  # b*s rows of `local` tokens, full attention
-                rows = b * s
-                total += 6.0 * p * rows * local + 12.0 * n * d * rows * local * local
-        return total
 
 
 def summarize(args, peer, elapsed, stats, extra, world_size=1, peaks=None) -> dict:

@@ -69,6 +69,8 @@ class DistConfig:
     find_unused_parameters: bool = False  # set True for partly frozen / branchy models (slower)
     broadcast_buffers: bool = True  # sync buffers (e.g. BatchNorm stats) from rank 0 every forward
     comm_hook: str = "none"  # compress gradients to this dtype for the all-reduce
+    preflight: str = "auto"  # at start, time an all-reduce of one gradient bucket (bucket_cap_mb), log its bus bandwidth and warn (naming NCCL_P2P_LEVEL) when it is far below the GPUs' link: auto = on more than one GPU, always = also on CPU (gloo), off (ddptrain/dist.py)
+    expected_busbw_gbps: float = 0.0  # dist.preflight warns below half this all-reduce bus bandwidth (GB/s); 0 = the link's figure from ddptrain/dist.py's table (none across nodes or without peer access: no warning)
 
 
 @dataclass
@@ -117,6 +119,8 @@ class LoggingConfig:
     tensorboard: bool = True  # write TensorBoard events to output_dir/tensorboard
     jsonl: bool = True  # write output_dir/metrics.jsonl (one JSON object per logged step)
     progress_bar: bool = True  # tqdm progress bar with ETA on rank 0
+    peak_tflops: float = 0.0  # one GPU's dense peak for the logged mfu (model FLOPs from Trainer(flops_fn=...)), TFLOP/s; 0 = the bf16 peak of the GPU's name (ddptrain/throughput.py); on CPU without it no mfu is logged
+    allreduce_share: bool = True  # DDP on several ranks: time each rank's wait for the gradient all-reduce after its backward and log allreduce_frac_min/max (a Python comm hook, two CUDA events a step)
 
 
 @dataclass
@@ -336,6 +340,8 @@ RULES: dict[str, Rule] = {
     "dist.find_unused_parameters": ANY,
     "dist.broadcast_buffers": ANY,
     "dist.comm_hook": one_of("none", "bf16", "fp16"),
+    "dist.preflight": switch("off", "auto", "always"),
+    "dist.expected_busbw_gbps": at_least(0),
     "optim.name": one_of("adamw", "adam", "sgd"),
     "optim.lr": above(0),
     "optim.weight_decay": at_least(0),
@@ -368,6 +374,8 @@ RULES: dict[str, Rule] = {
     "logging.tensorboard": ANY,
     "logging.jsonl": ANY,
     "logging.progress_bar": ANY,
+    "logging.peak_tflops": at_least(0),
+    "logging.allreduce_share": ANY,
     "recompute.enabled": ANY,
     "recompute.module_classes": ANY,
     "recompute.name_globs": ANY,

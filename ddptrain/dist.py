@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -269,17 +271,121 @@ def broadcast_module(module: torch.nn.Module, src: int = 0) -> None:
             chunk, size = [], 0
 
 
-def wrap_ddp(model: torch.nn.Module, cfg: "DistConfig", device: torch.device) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, cfg: "DistConfig", device: torch.device, timer=None) -> torch.nn.Module:
     """``DistributedDataParallel`` with the ``dist`` config section's bucket size, bucket view,
-    unused-parameter search, buffer broadcast and optional gradient-compression hook."""
+    unused-parameter search, buffer broadcast and optional gradient-compression hook.
+
+    Args:
+        timer: a :class:`ddptrain.throughput.AllReduceTimer` that wraps the communication hook
+            (DDP's own all-reduce without compression), or None.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
               find_unused_parameters=cfg.find_unused_parameters, broadcast_buffers=cfg.broadcast_buffers)
-    if cfg.comm_hook != "none":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hook = default_hooks.bf16_compress_hook if cfg.comm_hook == "bf16" else default_hooks.fp16_compress_hook
-        ddp.register_comm_hook(state=None, hook=hook)
+    hooks = {"none": default_hooks.allreduce_hook, "bf16": default_hooks.bf16_compress_hook,
+             "fp16": default_hooks.fp16_compress_hook}
+    if cfg.comm_hook != "none" or timer is not None:  # otherwise DDP's C++ all-reduce, no Python per bucket
+        hook = hooks[cfg.comm_hook]
+        ddp.register_comm_hook(state=None, hook=timer.wrap(hook) if timer is not None else hook)
     return ddp
+
+
+# ----------------------------------------------------------------------------- the link check
+
+# Conservative bus bandwidth (GB/s, NCCL-tests' convention) of one all-reduce of a 25 MB gradient
+# bucket between the GPUs of one host: well under what the link gives at that size, so only a
+# fallback to a slower path (host memory, sockets) falls below half of it. First match wins.
+LINK_BUSBW_GBPS: tuple[tuple[str, str, float], ...] = (
+    (r"H200 NVL|H100 NVL", "NVLink bridge", 50.0),
+    (r"H100 PCIe", "PCIe peer-to-peer", 10.0),
+    (r"B200|GH200|H200|H100|H800", "NVLink", 100.0),  # SXM boards: NVSwitch / NVLink 4-5
+    (r"A100-SXM|A100 SXM|A800-SXM", "NVLink", 60.0),
+)
+PCIE_P2P_BUSBW_GBPS = 10.0  # any other GPU pair with peer access (PCIe, or a consumer NVLink bridge)
+
+
+def expected_busbw(device: torch.device, local_world: int, world: int) -> tuple[float, str]:
+    """(GB/s, link) that an all-reduce between this host's GPUs should reach at least, or
+    (0, why not) where no figure applies: CPU, several hosts (the network's figure is the
+    user's to give), or GPUs without peer access (host memory is then the only path)."""
+    if device.type != "cuda":
+        return 0.0, "CPU"
+    if local_world != world:
+        return 0.0, "several hosts"
+    name = torch.cuda.get_device_name(device)
+    for pattern, link, gbps in LINK_BUSBW_GBPS:
+        if re.search(pattern, name):
+            return gbps, link
+    peers = [i for i in range(torch.cuda.device_count()) if i != device.index][:1]
+    if peers and torch.cuda.can_device_access_peer(device.index, peers[0]):
+        return PCIE_P2P_BUSBW_GBPS, "peer-to-peer"
+    return 0.0, "no peer access"
+
+
+def time_all_reduce(nbytes: int, device: torch.device, warmup: int = 2, iters: int = 5) -> float:
+    """Seconds per all-reduce of ``nbytes`` of fp32 over all ranks (the slowest rank's mean over
+    ``iters`` after ``warmup``); collective."""
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    for _ in range(warmup):
+        dist.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    tic = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = torch.tensor([(time.perf_counter() - tic) / iters], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world: int) -> float:
+    """NCCL-tests' all-reduce bus bandwidth in GB/s: ``2 (n - 1) / n`` x bytes / time, the rate
+    each link carries in a ring, comparable with the link's own figure for any ``n``."""
+    return 2 * (world - 1) / world * nbytes / seconds / 1e9
+
+
+def preflight(cfg: "DistConfig", info: DistInfo, logger, step: int = 0) -> Optional[dict]:
+    """``dist.preflight``: time an all-reduce of one gradient bucket, log its bus bandwidth on rank 0
+    (``dist/allreduce_busbw_gbps``) and warn when it is far below the link's figure.
+
+    Why: NCCL falls back from NVLink / PCIe peer-to-peer to host memory (SHM) or sockets without a
+    word (a topology it distrusts, ``NCCL_P2P_LEVEL``/``NCCL_P2P_DISABLE`` left over, a container
+    without peer access); such a fallback has cost users 41% of their throughput. Collective.
+
+    Args:
+        cfg: the ``dist`` section (``preflight``, ``bucket_cap_mb``, ``expected_busbw_gbps``).
+        info: this process's place; one process runs nothing.
+        logger: a :class:`ddptrain.logging.RunLogger` (``log``, ``print``: rank 0 only).
+        step: the step the figures are logged at (a resumed run's).
+
+    Returns:
+        The logged figures, or None when the check did not run.
+    """
+    if cfg.preflight == "off" or info.world_size < 2 or not is_initialized() or (
+            cfg.preflight == "auto" and info.device.type != "cuda"):
+        return None
+    nbytes = int(cfg.bucket_cap_mb * 2**20)  # DDP's bucket_cap_mb is MiB
+    seconds = time_all_reduce(nbytes, info.device)
+    busbw = bus_bandwidth(nbytes, seconds, info.world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    expected, link = ((cfg.expected_busbw_gbps, "dist.expected_busbw_gbps") if cfg.expected_busbw_gbps > 0
+                      else expected_busbw(info.device, local, info.world_size))
+    figures = {"allreduce_busbw_gbps": busbw, "allreduce_ms": seconds * 1e3, "bucket_mb": cfg.bucket_cap_mb}
+    if expected:
+        figures["expected_busbw_gbps"] = expected
+    logger.log(step, figures, prefix="dist")
+    if expected and busbw < 0.5 * expected:
+        logger.print(f"WARNING: dist.preflight: an all-reduce of one {cfg.bucket_cap_mb:g} MB gradient bucket over "
+                     f"{info.world_size} ranks ran at {busbw:.1f} GB/s bus bandwidth, under half the ~{expected:g} "
+                     f"GB/s expected of this link ({link}): NCCL is probably going through host memory (SHM) or "
+                     "sockets instead of NVLink / PCIe peer-to-peer. Run with NCCL_DEBUG=INFO to see the transport; "
+                     "check NCCL_P2P_LEVEL (e.g. NCCL_P2P_LEVEL=NVL, or SYS for PCIe across CPU sockets) and that "
+                     "NCCL_P2P_DISABLE / NCCL_SHM_DISABLE are not set. dist.expected_busbw_gbps sets the expected "
+                     "figure, dist.preflight=off skips this check.")
+    return figures

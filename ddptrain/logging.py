@@ -9,8 +9,8 @@ logger prints one warning naming the file and the error, drops that sink, and go
 others. Checkpoints are what a run cannot lose, and their writes fail loudly on their own
 (checkpoint.py); a metrics line is not worth a day of training.
 
-The throughput window (loss, units/s, data wait between two logged steps) lives here too, so the
-loop only reports what each step did.
+The loop only reports what each step did; the throughput window (loss, rates, MFU, data and
+all-reduce waits between two logged steps: ddptrain/throughput.py) turns that into the line.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ddptrain.config import LoggingConfig
+from ddptrain.throughput import ThroughputWindow
 
 
 class RunLogger:
@@ -35,12 +36,15 @@ class RunLogger:
         cfg: the ``logging`` config section.
         enabled: False on ranks other than 0.
         total_steps: for the progress bar's ETA.
+        window: what sums the steps between two logged ones (rates, MFU, waits); with several
+            ranks it is collective, and every rank's logger feeds it.
     """
 
-    def __init__(self, output_dir: str, cfg: LoggingConfig, enabled: bool, total_steps: int, start_step: int = 0):
+    def __init__(self, output_dir: str, cfg: LoggingConfig, enabled: bool, total_steps: int, start_step: int = 0,
+                 window: Optional[ThroughputWindow] = None):
         self.enabled = enabled
         self.log_every = cfg.log_every
-        self.window = ThroughputWindow()
+        self.window = window or ThroughputWindow()
         self.tb_path = os.path.join(output_dir, "tensorboard")
         self.jsonl_path = ""
         self.tb = None
@@ -90,10 +94,11 @@ class RunLogger:
         self.print(f"[{prefix} {name} step {step}] {text}" if name else f"[{prefix} step {step}] {text}")
 
     def step_done(self, step: int, loss_sum: float, units: float, wait_s: float, last: bool,
-                  extra: Callable[[], dict]) -> None:
-        """One optimizer step is done: feed the window and the progress bar; every
-        ``log_every`` steps (and at the last) log the window plus ``extra()``."""
-        self.window.add(loss_sum, units, wait_s)
+                  extra: Callable[[], dict], batches: list = ()) -> None:
+        """One optimizer step is done: feed the window (``batches``: the step's host micro-batches)
+        and the progress bar; every ``log_every`` steps (and at the last) log the window plus
+        ``extra()``. Called on every rank: the window's figures are gathered from all of them."""
+        self.window.add(loss_sum, units, wait_s, batches)
         self.advance(1, {"loss": loss_sum / max(units, 1e-9)})
         if step % self.log_every == 0 or last:
             self.log(step, {**self.window.scalars(), **extra()})
@@ -141,32 +146,6 @@ class RunLogger:
                 except Exception as e:  # noqa: BLE001
                     self._drop(sink, path, e)
         self.bar = self.tb = self.jsonl = None
-
-
-class ThroughputWindow:
-    """Sums over the steps since the last logged one: loss, units, data wait, wall time."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = self.units = self.wait = 0.0
-        self.steps = 0
-        self.start = time.perf_counter()
-
-    def add(self, loss_sum: float, units: float, wait_s: float) -> None:
-        self.loss += loss_sum
-        self.units += units
-        self.wait += wait_s
-        self.steps += 1
-
-    def scalars(self) -> dict:
-        """The window's loss per unit and rates; starts a new window."""
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        out = {"loss": self.loss / max(self.units, 1e-12), "steps_per_s": self.steps / elapsed,
-               "units_per_s": self.units / elapsed, "data_wait_frac": self.wait / elapsed}
-        self.reset()
-        return out
 
 
 def _fmt(v: float) -> str:

@@ -63,13 +63,15 @@ def shard_grads(cfg: Config, world_size: int) -> bool:
     return cfg.optim.shard_grads and world_size > 1
 
 
-def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo) -> PreparedModel:
+def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
+                  allreduce_timer: Optional[Any] = None) -> PreparedModel:
     """Device, LoRA, recompute, compile, master weights, DDP: the order each of them needs.
 
     Args:
         model: the model as the recipe built it; modified in place.
         cfg: the whole config (``trainer``, ``lora``, ``recompute``, ``compile``, ``optim``, ``dist``).
         info: this process's place (``dist.setup_for(cfg)``).
+        allreduce_timer: a :class:`ddptrain.throughput.AllReduceTimer` DDP's comm hook reports to, or None.
 
     Raises:
         ConfigError: ``optim.offload=cpu`` or ``optim.shard_grads`` on several processes without
@@ -102,7 +104,7 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo) -> Prepare
                               "(this set-up has no partition of the masters to shard the gradients by)")
         wrapped = ShardedGradReducer(model, master.owners, cfg.dist.bucket_cap_mb, cfg.dist.broadcast_buffers)
     elif info.distributed:
-        wrapped = dist.wrap_ddp(model, cfg.dist, device)
+        wrapped = dist.wrap_ddp(model, cfg.dist, device, allreduce_timer)
     if cfg.compile.enabled and not compiled:  # whole model, after DDP: dynamo then
         # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
         wrapped = compile_whole(wrapped, cfg.compile, cfg.dist.bucket_cap_mb if ddp else None,

@@ -32,10 +32,11 @@ from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.metrics import reduce_ratios
 from ddptrain.optim import apply_hparams, build_scheduler, optimizer_state
-from ddptrain.prepare import prepare_model, prepare_step
+from ddptrain.prepare import prepare_model, prepare_step, shard_grads
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
 from ddptrain.steps import StepStream, StepSums, forward_backward, stateful_sampler
+from ddptrain.throughput import AllReduceTimer, FlopsFn, ThroughputWindow
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -55,6 +56,9 @@ class Trainer:
         eval_data: optional evaluation loader (each rank evaluates its own shard).
         metrics_fn: optional ``(model, batch) -> {name: (numerator, denominator)}`` for eval
             metrics such as WER = (word errors, reference words).
+        flops_fn: optional ``(batch) -> float``: model FLOPs of the forward + backward of one
+            micro-batch, called on its host copy; the log then shows ``tflops_per_gpu`` and
+            ``mfu`` (ddptrain/throughput.py; the recipes' helpers: examples/models/train_flops.py).
 
     The run folder (``trainer.output_dir``) is held from here to the end of :meth:`fit` (see
     ddptrain/runfolder.py); the logger stays open for evaluations after ``fit`` until
@@ -62,7 +66,8 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, config: Config, train_data: Iterable,
-                 eval_data: Optional[Iterable] = None, metrics_fn: Optional[MetricsFn] = None):
+                 eval_data: Optional[Iterable] = None, metrics_fn: Optional[MetricsFn] = None,
+                 flops_fn: Optional[FlopsFn] = None):
         config = check_config(config)  # a Config built in Python gets load_config's checks too
         self.cfg, self.loss_fn, self.metrics_fn = config, loss_fn, metrics_fn
         self.train_data, self.eval_data = train_data, eval_data
@@ -83,9 +88,11 @@ class Trainer:
             self._setup_optimizer()
             self._setup_data()
             changed = self._resume(resume_from) if resume_from else {}
+            window = ThroughputWindow.for_run(config, self.info, flops_fn, self.allreduce_timer)
             self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main,
-                                    self.total_steps, self.progress.step)
+                                    self.total_steps, self.progress.step, window)
             self.guard.say = self.logger.print
+            dist.preflight(config.dist, self.info, self.logger, self.progress.step)  # a slow GPU link, named now
             if self.info.is_main:
                 resume.record(t.output_dir, to_yaml(config), self.progress.step if resume_from else None, changed)
         except BaseException:
@@ -98,7 +105,11 @@ class Trainer:
 
     def _setup_model(self, model: nn.Module) -> None:
         """Device, LoRA, recompute, compile, master weights, DDP (ddptrain/prepare.py; the tuner's too)."""
-        m = self.prepared = prepare_model(model, self.cfg, self.info)
+        cfg, info = self.cfg, self.info
+        # logging.allreduce_share: how long each rank waits for the gradient all-reduce
+        ddp = info.distributed and info.world_size > 1 and not shard_grads(cfg, info.world_size)
+        self.allreduce_timer = AllReduceTimer(self.device) if ddp and cfg.logging.allreduce_share else None
+        m = self.prepared = prepare_model(model, cfg, info, self.allreduce_timer)
         self.module, self.model, self.master, self.streamed = m.module, m.model, m.master, m.streamed
         self.adapted, self.recomputed, self.compiled = m.adapted, m.recomputed, m.compiled
         self.activation_offload = m.activation_offload
@@ -148,10 +159,11 @@ class Trainer:
                 self.evaluate(max_batches=1)
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
+            self.logger.window.reset()  # the first logged rates count steps, not set-up
             for micro in self.stream:  # until trainer.max_steps / max_epochs
                 out = self.train_step(micro)
                 self.gc.step(p.step)
-                self._log_step(out)
+                self._log_step(out, micro)
                 if self.eval_data is not None and t.eval_every > 0 and p.step % t.eval_every == 0:
                     self.evaluate()
                     self.gc.full()
@@ -351,9 +363,10 @@ class Trainer:
     def _where(self, micro: int) -> str:
         return f"rank {self.info.rank}, step {self.progress.step + 1}, micro-batch {micro}"
 
-    def _log_step(self, out: dict) -> None:
+    def _log_step(self, out: dict, micro: list) -> None:
         p = self.progress
         self.logger.step_done(p.step, out["loss_sum"], out["units"], self.stream.wait_s, p.step == self.total_steps,
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
-                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)})
+                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)},
+                              batches=micro)

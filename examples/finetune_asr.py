@@ -33,6 +33,7 @@ import ddptrain  # noqa: E402
 from ddptrain import metrics, runfolder  # noqa: E402
 from ddptrain.data import build_dataloader, load_or_build_tokenizer  # noqa: E402
 from models.conformer_ctc import ConformerCTC, ConformerCTCConfig, ctc_greedy_decode  # noqa: E402
+from models.train_flops import Flops  # noqa: E402
 
 
 @dataclass
@@ -121,6 +122,15 @@ def build(cfg: ASRConfig) -> tuple:
     return model, CTCObjective(tokenizer, train_loader.feature_extractor), train_loader, eval_loader, tokenizer
 
 
+def model_flops(model: ConformerCTC, extractor=None) -> Flops:
+    """The Conformer's training FLOPs per batch (the log's MFU); with ``extractor`` (features on
+    the GPU) a batch carries audio, and its frames are those the extractor will make of it."""
+    def frames_of(samples: int) -> int:
+        frames = int(extractor.num_frames(torch.tensor(samples)))
+        return -(-frames // extractor.pad_to_multiple) * extractor.pad_to_multiple
+    return Flops("conformer", model, frames_of=frames_of if extractor is not None else None)
+
+
 def build_eval(cfg: ASRConfig, info, manifests: list[str]) -> tuple:
     """examples/evaluate.py's pieces: ``(model, loss_fn, metrics_fn, {manifest: eval loader})``.
 
@@ -147,7 +157,8 @@ def main(argv: list[str]) -> dict:
     info = ddptrain.setup_distributed(cfg)  # samplers below need the rank and world size
     model, objective, train_loader, eval_loader, tokenizer = build(cfg)
     trainer = ddptrain.Trainer(model, objective, cfg, train_loader, eval_data=eval_loader,
-                               metrics_fn=objective.error_counts)
+                               metrics_fn=objective.error_counts,
+                               flops_fn=model_flops(model, objective.features).of_batch)  # MFU in the log
     if info.is_main:
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; "
               f"{len(train_loader)} batches/epoch/rank on {info.world_size} process(es), device {trainer.device}")

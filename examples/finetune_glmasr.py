@@ -74,6 +74,7 @@ from ddptrain.data.validate import budget_problems, check_entries, keep_good, re
 from models.glmasr import (FRAME_MULTIPLE, WINDOW_FRAMES, GlmAsrForTraining, audio_token_count,  # noqa: E402
                            load_hf_model)
 from models.folders import check_model_folder, download_command  # noqa: E402
+from models.train_flops import GlmAsrFlops  # noqa: E402
 
 MODEL_ID = "zai-org/GLM-ASR-Nano-2512"  # the Hugging Face model id glmasr.path is a download of
 # what the recipe reads from glmasr.path (transformers' own errors on a missing file name another cause)
@@ -552,7 +553,8 @@ def main(argv: list[str]) -> dict:
     model, objective, train, evals, hf_tok = build(cfg, info)
     trainer = ddptrain.Trainer(model, objective, cfg, train, eval_data=evals,
                                metrics_fn=objective.error_counts if evals is not None and cfg.glmasr.generate_eval
-                               and objective.tokenizer is not None else None)
+                               and objective.tokenizer is not None else None,
+                               flops_fn=GlmAsrFlops(model.hf).of_batch)  # MFU in the log
     if info.is_main:
         n = sum(p.numel() for p in model.parameters())
         t = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -49,6 +49,7 @@ Whisper targets): each new shape builds cuDNN plans (and, compiled, may recompil
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -58,11 +59,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-import ddptrain
-from ddptrain import metrics
-from ddptrain.config import at_least, one_of
-from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader
-from ddptrain.data.synthetic import SyntheticCorpus, SyntheticSpeech
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ddptrain  # noqa: E402
+from ddptrain import metrics  # noqa: E402
+from ddptrain.config import at_least, one_of  # noqa: E402
+from ddptrain.data import DurationBucketSampler, SpeechCollator, make_loader  # noqa: E402
+from ddptrain.data.synthetic import SyntheticCorpus, SyntheticSpeech  # noqa: E402
+from models.train_flops import Flops  # noqa: E402
 
 WHISPER_FRAMES = 3000  # 30 s of 10 ms frames: Whisper's encoder only takes full windows
 
@@ -398,7 +402,8 @@ def main(argv: list[str]) -> dict:
         model = build_model(h)
         loss = Seq2SeqLoss(model.config, h.token_pad_multiple, loader.feature_extractor)
         metrics = WhisperGreedy(targets, loss, h.max_new_tokens) if evals is not None and h.generate_eval else None
-        trainer = ddptrain.Trainer(model, loss, cfg, loader, eval_data=evals, metrics_fn=metrics)
+        trainer = ddptrain.Trainer(model, loss, cfg, loader, eval_data=evals, metrics_fn=metrics,
+                                   flops_fn=Flops("whisper", model, h.token_pad_multiple).of_batch)
         return trainer.fit()
     if cfg.data.train_manifest:  # wav2vec2 on raw audio (FinetuneConfig's rules)
         from ddptrain.data import build_dataloader, load_or_build_tokenizer
@@ -409,7 +414,8 @@ def main(argv: list[str]) -> dict:
     else:
         model = build_model(h)
         loader = build_synthetic_loader(h, cfg.data, info.world_size, info.rank, model.config)
-    trainer = ddptrain.Trainer(model, loss_for(model, h.token_pad_multiple), cfg, loader)
+    trainer = ddptrain.Trainer(model, loss_for(model, h.token_pad_multiple), cfg, loader,
+                               flops_fn=Flops(h.model, model, h.token_pad_multiple).of_batch)  # MFU in the log
     return trainer.fit()
 
 

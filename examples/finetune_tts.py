@@ -68,6 +68,7 @@ from ddptrain.data import DataError, DurationBucketSampler, Problem, make_loader
 from ddptrain.data.validate import budget_problems, keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 from models.folders import check_model_folder, download_command  # noqa: E402
+from models.train_flops import VoxCpmFlops  # noqa: E402
 from tts_cache import CachedUtterance, prepare, read_cache  # noqa: E402
 
 
@@ -420,7 +421,8 @@ def main(argv: list[str]) -> dict:
     cfg = ddptrain.load_config(args.config, overrides, schema=RecipeConfig)
     info = ddptrain.setup_distributed(cfg)
     b, objective, train, evals, eval_utts = build(cfg, info)
-    trainer = TTSTrainer(b.model, objective, cfg, train, eval_data=evals, metrics_fn=objective.metrics)
+    trainer = TTSTrainer(b.model, objective, cfg, train, eval_data=evals, metrics_fn=objective.metrics,
+                         flops_fn=VoxCpmFlops(b.model, b.layout).of_batch)  # MFU in the log
     trainer.eval_seed = cfg.tts.eval_seed
     objective.progress = lambda: trainer.progress.step / max(1, trainer.total_steps)
     if info.is_main and cfg.tts.num_samples and eval_utts:

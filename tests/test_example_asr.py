@@ -125,3 +125,31 @@ def test_resuming_a_finished_run_keeps_its_report(tmp_path):
     assert report["before"] == first["before"] == again["before"]
     archived = glob.glob(str(tmp_path / "run" / "archive" / "*" / "report.json"))
     assert all(json.load(open(p))["before"] == first["before"] for p in archived)
+
+
+def test_the_training_log_has_model_flops_and_audio_seconds(tmp_path):
+    """issue 31 item 3: the recipe passes its FLOPs helper, so every training line has TFLOP/s per
+    GPU (no MFU on CPU) and audio seconds per second, with features from the loader or the GPU;
+    from audio, the FLOPs are those of the frames the extractor makes."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import torch
+
+    import ddptrain
+    import finetune_asr
+    from ddptrain.data import build_dataloader, load_or_build_tokenizer
+
+    manifest = tiny_manifest(tmp_path, n=4)
+    for where in ("worker", "gpu"):
+        finetune_asr.main(_in_process_args(tmp_path / where, manifest, f"data.feature_device={where}"))
+        rows = [json.loads(line) for line in open(tmp_path / where / "run" / "metrics.jsonl")]
+        r = [r for r in rows if r["split"] == "train"][-1]
+        assert r["tflops_per_gpu"] > 0 and r["audio_s_per_s"] > 0 and r["samples_per_s"] > 0 and "mfu" not in r
+
+    cfg = ddptrain.load_config(None, [f"data.train_manifest={manifest}", f"data.tokenizer={tmp_path}/t.json",
+                                      "data.feature_device=gpu", "data.num_workers=0"], schema=finetune_asr.ASRConfig)
+    loader = build_dataloader(manifest, cfg.data, load_or_build_tokenizer(cfg.data), train=True)
+    batch, ext = next(iter(loader)), loader.feature_extractor
+    flops = finetune_asr.model_flops(finetune_asr.ConformerCTC(cfg.model), ext)
+    with torch.no_grad():
+        feats = ext(batch["audio"], batch["audio_lens"])["features"]
+    assert flops.of_batch(batch) == flops.conformer(*feats.shape[:2]) == flops.of_batch({"features": feats})
