@@ -179,7 +179,7 @@ class OffloadedMasters:
             self._up = torch.cuda.Stream(self.device)
         # one rank: the gradients of the step's last backward leave the GPU as autograd finishes them
         self.streams = self.world_size == 1
-        self.streaming = False  # set by the Trainer for the step's last micro-batch
+        self.streaming = False  # StepUpdate.before_backward: on for the step's last micro-batch
         self._staged = {k: v for b in self.own for k, v in b.staged.items()}
         self._slot = {id(p): i for i, p in enumerate(self.trainable)}
         self._norms = torch.zeros(len(self.trainable), dtype=torch.float32, device=self.device)
@@ -263,7 +263,7 @@ class OffloadedMasters:
                 for p in c.params:
                     view = b.staging[offset:offset + p.numel()].view(p.shape)
                     offset += p.numel()
-                    if self.streams and self._sent[self._slot[id(p)]]:
+                    if self._sent[self._slot[id(p)]]:
                         continue  # copied during the backward
                     if p.grad is None:
                         view.zero_()
