@@ -30,6 +30,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ddptrain.data.config import DataConfig
+from ddptrain.data.errors import DataError
+from ddptrain.data.manifest import field_spellings
 
 
 class ConfigError(ValueError):
@@ -297,9 +299,6 @@ def entries(rule: Rule) -> Rule:
 
 def _manifest_fields(v: Any) -> dict:
     """``data.fields``: every name a field of the manifest key mapping, every key a non-empty string."""
-    from ddptrain.data.errors import DataError
-    from ddptrain.data.manifest import field_spellings  # a light module: json, os and the error type
-
     fields = {str(k): x for k, x in dict(v).items()}
     try:
         field_spellings(fields)

@@ -49,7 +49,7 @@ def header_durations(paths: Sequence[str], manifest: str, num_threads: int = 8) 
         ``(seconds, problems)``: ``{path: seconds}`` for the readable files and ``{path: reason}``
         for the others (missing, unreadable header, undecodable), in validate.py's words.
     """
-    from ddptrain.data.audio import AudioError, audio_info  # torchaudio: imported only when needed
+    import soundfile as sf  # here, not at the top: `import ddptrain` (config.py reads FIELDS) loads no audio library
 
     where = cache_path(manifest)
     cached = _read_cache(where)
@@ -65,18 +65,18 @@ def header_durations(paths: Sequence[str], manifest: str, num_threads: int = 8) 
         if hit is not None and hit[:2] == key:
             return None, hit[2], "", False
         try:
-            info = audio_info(path)
-        except AudioError as e:
-            return None, None, f"unreadable audio: {e}", False
+            info = sf.info(path)
+        except (RuntimeError, OSError, ValueError, TypeError) as e:  # sf.LibsndfileError is a RuntimeError
+            return None, None, f"unreadable audio: cannot read audio header of {path}: {_short(e)}", False
         if info.frames == 0:
             return None, None, f"zero-length audio: {path}", False
         if 0 < info.frames < 2 ** 62:
-            return key, info.duration, "", False
+            return key, info.frames / info.samplerate, "", False
         # libsndfile's "unknown length" (SF_COUNT_MAX, e.g. some streamed files): count by decoding
         frames, reason = _decoded_frames(path)
         if reason or not frames:
             return None, None, reason or f"zero-length audio: {path}", False
-        return key, frames / info.sample_rate, "", True
+        return key, frames / info.samplerate, "", True
 
     if len(todo) >= PARALLEL_FROM and num_threads > 1:
         with ThreadPoolExecutor(min(num_threads, len(todo))) as pool:
@@ -110,7 +110,7 @@ def _decoded_frames(path: str) -> tuple[int, str]:
             for block in f.blocks(blocksize=1 << 16, dtype="float32", always_2d=True):
                 frames += block.shape[0]
     except (RuntimeError, OSError, ValueError, sf.SoundFileError) as e:
-        return 0, f"unreadable audio: cannot decode {path}: {str(e).strip() or type(e).__name__}"
+        return 0, f"unreadable audio: cannot decode {path}: {_short(e)}"
     return frames, ""
 
 
@@ -151,3 +151,7 @@ def _write_cache(where: str, files: dict) -> Optional[str]:
             pass
         return None
     return where
+
+
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

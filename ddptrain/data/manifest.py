@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
+from ddptrain.data.durations import header_durations
 from ddptrain.data.errors import DataError, Problem
 
 PathOrPaths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
@@ -162,8 +163,6 @@ def parse_manifest(path: Union[str, os.PathLike], fields: Optional[Mapping[str, 
             entries.append(entry)
     unknown = [e for e in entries if math.isnan(e.duration)]
     if unknown and read_durations:
-        from ddptrain.data.durations import header_durations  # reads audio headers: only when a line needs it
-
         seconds, unreadable = header_durations([e.audio_filepath for e in unknown], path, num_threads)
         for e in unknown:
             if e.audio_filepath in seconds:
