@@ -225,3 +225,22 @@ def test_upstream_keys_reach_the_dataset_item_and_the_batch(tmp_path):
         lens.update(zip(batch["texts"], batch["audio_lens"].tolist()))
     assert got == {"one": (2, str(tmp_path / "r.wav")), "two": (None, None)}
     assert lens == {"one": 8000, "two": 12000} and [e.duration for e in load_manifest(m)] == [0.5, 0.75]
+
+
+def test_the_command_lines_take_field(tmp_path, capsys):
+    """--field FIELD=KEY on `python -m ddptrain.data.validate` and `python -m ddptrain.data.shards`."""
+    import numpy as np
+    import soundfile as sf
+
+    from ddptrain.data import load_shards, shards, validate
+
+    sf.write(str(tmp_path / "a.wav"), 0.1 * np.sin(np.arange(8000) / 5.0), 16000)
+    m = write_lines(tmp_path / "m.jsonl", [{"wav": "a.wav", "normalized": "hello", "text": "Hello!"}])
+    assert validate.main([m, "--output-frame-rate", "0", "--field", "audio=wav", "--field", "text=normalized"]) == 0
+    assert "1 utterance(s), no problems" in capsys.readouterr().out
+    assert validate.main([m, "--output-frame-rate", "0"]) == 1
+    assert f"{m}:1: bad line: missing key(s) audio_filepath" in capsys.readouterr().out
+    assert validate.main([m, "--field", "wave=x"]) == 1 and "unknown field 'wave'" in capsys.readouterr().err
+    assert shards.main([m, str(tmp_path / "sh"), "--field", "audio=wav", "--field", "text=normalized"]) == 0
+    s = load_shards(str(tmp_path / "sh"))
+    assert len(s) == 1 and float(s.duration[0]) == 0.5

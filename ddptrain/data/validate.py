@@ -2,7 +2,8 @@
 
 Checks, per line (the reason strings start with these words, so reports can be grepped):
 
-* ``bad line``: not JSON / missing or mistyped keys (from the manifest parser);
+* ``bad line``: not JSON / missing, mistyped or disagreeing keys, or no ``duration`` and an audio
+  header that cannot give it (from the manifest parser);
 * ``duplicate id``: within the manifests read together, and (:func:`duplicate_problems`) across
   every source and shard set of a run;
 * ``duplicate audio``: a line of one manifest file names the audio (file, and segment) of a line
