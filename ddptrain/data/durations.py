@@ -58,8 +58,10 @@ def header_durations(paths: Sequence[str], manifest: str, num_threads: int = 8) 
     def one(path: str) -> tuple:  # -> (key or None, seconds or None, reason, decoded)
         try:
             st = os.stat(path)
-        except OSError:
+        except FileNotFoundError:
             return None, None, f"missing audio file: {path}", False
+        except OSError as e:
+            return None, None, f"unreadable audio: {path}: {e.strerror or e}", False
         key = [st.st_size, st.st_mtime_ns]
         hit = cached.get(path)
         if hit is not None and hit[:2] == key:
@@ -96,7 +98,9 @@ def header_durations(paths: Sequence[str], manifest: str, num_threads: int = 8) 
     if decoded:
         log.warning("%d audio file(s) have no length in their header (e.g. %s): measured by decoding them, once "
                     "(cached in %s)", len(decoded), decoded[0], where)
-    if any(key is not None for key, *_ in results):  # something was read: keep it for the next time
+    read = sum(1 for key, *_ in results if key is not None)
+    if read:  # keep what was read for the next time
+        log.info("%s: read the duration of %d audio file(s) from their headers (cached in %s)", manifest, read, where)
         _write_cache(where, fresh)
     return seconds, problems
 
