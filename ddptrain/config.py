@@ -30,6 +30,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from ddptrain.data.config import DataConfig
+from ddptrain.data.errors import DataError
+from ddptrain.data.manifest import field_spellings
 
 
 class ConfigError(ValueError):
@@ -299,6 +301,16 @@ def entries(rule: Rule) -> Rule:
     return Rule(f"{{name: value}}, each {rule.text}", check)
 
 
+def _manifest_fields(v: Any) -> dict:
+    """``data.fields``: every name a field of the manifest key mapping, every key a non-empty string."""
+    fields = {str(k): x for k, x in dict(v).items()}
+    try:
+        field_spellings(fields)
+    except DataError as e:
+        raise _Bad(str(e).split(": ", 1)[1]) from None
+    return fields
+
+
 def _signal_name(v: Any) -> str:
     """``SIGTERM``, ``sigterm``, ``TERM`` and ``term`` all name SIGTERM; stored as ``SIGTERM``."""
     name = str(v).strip().upper()
@@ -399,6 +411,7 @@ RULES: dict[str, Rule] = {
     "lora.stream_ahead": at_least(1),
     "data.train_manifest": ANY,
     "data.eval_manifest": ANY,
+    "data.fields": Rule("{field: key}, field one of ddptrain.data.manifest.FIELDS", lambda v: _manifest_fields(v)),
     "data.train_sources": entries(not_empty()),
     "data.train_weights": entries(at_least(0)),
     "data.eval_sources": entries(not_empty()),

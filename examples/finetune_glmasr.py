@@ -372,7 +372,7 @@ def build_manifest_loader(manifest: str, cfg, tokenizer: TranscriptTokenizer, la
         DataError: any such problem under ``data.bad_data: error``; no utterance left.
     """
     data, g = cfg.data, cfg.glmasr
-    entries, problems = read_entries(manifest)
+    entries, problems = read_entries(manifest, data.fields)
     cost = functools.partial(audio_cost, encoder_length=g.encoder_length)
     unit = WINDOW_UNIT if g.encoder_length == "window" else ""
     if data.validate:

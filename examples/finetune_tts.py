@@ -15,7 +15,10 @@ The model is upstream's ``voxcpm.model.voxcpm.VoxCPMModel`` (``pip install --no-
 voxcpm==2.0.3 einops pydantic``; see examples/models/voxcpm_tts.py), its loss its own forward's:
 flow matching of the latent patches ("diff") plus the stop head's cross-entropy ("stop").
 
-Data: NeMo-style manifests (``audio_filepath``, ``text``, optional ``duration``/``offset``/``id``).
+Data: JSONL manifests, NeMo's (``audio_filepath``, ``text``, optional ``duration``/``offset``/``id``)
+or upstream VoxCPM's unchanged (``audio``, ``text``, optional ``duration``, ``ref_audio``,
+``dataset_id``: passed through to the cached utterances); a missing duration is read from the
+audio header once (ddptrain/data/manifest.py, ``data.fields`` for keys of other names).
 The audio is encoded to VAE latents once (examples/tts_cache.py, run here on rank 0 first: a
 no-op when the cache is current; ``python examples/prepare_tts.py`` does it beforehand), so
 training reads small latent files and the VAE never enters the trained module. Batches come
@@ -181,7 +184,7 @@ def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device
 
     threads = torch.get_num_threads()
     try:
-        return prepare(manifest, vae_spec(cfg), patch, get_vae, cfg.data.bad_data)
+        return prepare(manifest, vae_spec(cfg), patch, get_vae, cfg.data.bad_data, fields=cfg.data.fields)
     finally:
         torch.set_num_threads(threads)
 

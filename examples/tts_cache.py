@@ -7,7 +7,8 @@ trained module never holds it. For ``DIR/NAME.jsonl`` the cache is the folder ``
 * ``meta.json``: what the latents depend on: the VAE (checkpoint file with its size and
   modification time, or preset + seed of a random one) and the patch size;
 * ``index.jsonl``: one line per utterance: id, text, manifest line, the audio file's size and
-  modification time, latent frames and the latent file;
+  modification time, latent frames and the latent file; upstream VoxCPM's ``ref_audio`` and
+  ``dataset_id`` when the line has them (passed through to :class:`CachedUtterance`);
 * ``<hash of the id>.npy``: ``(frames, latent_dim)`` float32.
 
 Rerunning :func:`prepare` is a no-op when nothing changed (no file is written, the VAE is not even
@@ -26,7 +27,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Union
 
 import numpy as np
 
@@ -45,6 +46,8 @@ class CachedUtterance:
     frames: int  # latent frames (a multiple of the patch size)
     source: str  # manifest
     line: int  # its 1-based line
+    ref_audio: Optional[str] = None  # the line's reference recording (absolute path), upstream VoxCPM2's ref_audio
+    dataset_id: Union[int, str, None] = None  # the line's dataset_id, as upstream VoxCPM's JSONL gives it
 
 
 def cache_dir(manifest: str) -> str:
@@ -93,18 +96,30 @@ def _read_index(path: str) -> dict:
     return rows
 
 
+PASSED = ("ref_audio", "dataset_id")
+
+
+def _passed(entry) -> dict:
+    """The line's upstream keys that training may need (only those it has: an older index stays as it was)."""
+    return {k: getattr(entry, k) for k in PASSED if getattr(entry, k) is not None}
+
+
 def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[], tuple],
-            bad_data: str = "error", log: Callable[[str], None] = print) -> dict:
+            bad_data: str = "error", log: Callable[[str], None] = print,
+            fields: Optional[Mapping[str, str]] = None) -> dict:
     """Bring ``manifest``'s latent cache up to date.
 
     Args:
-        manifest: a NeMo-style JSONL manifest (audio_filepath, text [, duration, offset, id]).
+        manifest: a JSONL manifest in any of ddptrain/data/manifest.py's spellings: NeMo's
+            (audio_filepath, text [, duration, offset, id]) or upstream VoxCPM's (audio, text
+            [, duration, ref_audio, dataset_id]); a line without duration gets its header's.
         vae_spec: what identifies the VAE (JSON-able; see :func:`finetune_tts.vae_spec`).
         patch_size: the model's latent frames per LM position (latents are padded to whole patches).
         get_vae: ``() -> (vae, encode)`` with ``encode(vae, wave) -> (frames, D) tensor``; called
             only if something needs encoding.
         bad_data: ``error``: raise naming every unreadable utterance; ``skip``: leave them out.
         log: where the one-line summary goes.
+        fields: ``data.fields`` (manifest keys of other names).
 
     Returns:
         ``{"dir", "encoded", "reused", "skipped", "written"}`` (``written``: whether any file changed).
@@ -117,7 +132,7 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     folder = cache_dir(manifest)
     # the shared manifest checks and policy (ddptrain/data/validate.py): bad lines and duplicate
     # ids are named by file:line, and under bad_data=error stop the run before any encoding
-    entries, problems = read_entries(manifest)
+    entries, problems = read_entries(manifest, fields)
     usable = finish_report(entries, problems, bad_data).entries
     meta = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
     old_meta = _read_json(os.path.join(folder, "meta.json"))
@@ -126,7 +141,8 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     for e in usable:
         key, prev = _audio_key(e), old.get(e.id)
         if prev is not None and prev.get("audio") == key and os.path.isfile(os.path.join(folder, prev["latent"])):
-            rows.append({**prev, "text": e.text, "line": e.line})
+            kept = {k: v for k, v in prev.items() if k not in PASSED}  # a line may have dropped its ref_audio
+            rows.append({**kept, "text": e.text, "line": e.line, **_passed(e)})
         else:
             rows.append(None)
             todo.append((len(rows) - 1, e, key))
@@ -146,7 +162,8 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
         z = np.ascontiguousarray(encode(vae, wave).numpy().astype(np.float32))
         name = _latent_name(e.id)
         _write_atomic(os.path.join(folder, name), lambda f: np.save(f, z))
-        rows[slot] = {"id": e.id, "text": e.text, "line": e.line, "audio": key, "latent": name, "frames": int(z.shape[0])}
+        rows[slot] = {"id": e.id, "text": e.text, "line": e.line, "audio": key, "latent": name, "frames": int(z.shape[0]),
+                      **_passed(e)}
     report = finish_report(entries, problems + unreadable, bad_data)  # error: every bad line, in manifest order
     for p in report.problems:
         log(f"skipped: {p}")
@@ -190,5 +207,5 @@ def read_cache(manifest: str, vae_spec: dict, patch_size: int) -> list[CachedUtt
         if not os.path.isfile(path):
             raise DataError(f"{manifest}:{row['line']} (id {row['id']}): latent file {path} is missing; {hint}")
         out.append(CachedUtterance(row["id"], row["text"], os.path.abspath(path), int(row["frames"]),
-                                   manifest, int(row["line"])))
+                                   manifest, int(row["line"]), row.get("ref_audio"), row.get("dataset_id")))
     return out

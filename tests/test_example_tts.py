@@ -1,7 +1,8 @@
 """examples/finetune_tts.py, tts_cache.py and prepare_tts.py: VoxCPM (upstream's model code) on the tiny preset.
 
 A handful of utterances of the shipped dialect corpus, copied to a temporary folder. Checked:
-the latent cache is idempotent and names bad audio with its manifest line; batches are exactly
+the latent cache is idempotent and names bad audio with its manifest line; upstream VoxCPM's JSONL
+reads unchanged (ref_audio, dataset_id passed through); batches are exactly
 what upstream's own packer makes from the audio; the loss is upstream's total times the
 loss-masked frames; the loss falls and samples reach wav files and TensorBoard; a resumed run
 equals the uninterrupted one; LoRA adapts only the named layers and recompute changes nothing;
@@ -117,6 +118,26 @@ def test_prepare_names_unreadable_audio(fresh_corpus, tmp_path):
     report = ft.prepare_manifest(recipe_config(corpus, tmp_path, "data.bad_data=skip"), bad)
     assert (report["encoded"], report["skipped"]) == (FRESH, 2)
     assert len(tts_cache.read_cache(bad, ft.vae_spec(cfg), 2)) == FRESH
+
+
+def test_upstream_voxcpm_jsonl_is_read_unchanged(fresh_corpus, tmp_path):
+    """upstream's {"audio", "text", "ref_audio", "dataset_id"} without durations: the cache is
+    built from it (durations from the headers) and ref_audio / dataset_id reach the cached utterances."""
+    root = os.path.dirname(fresh_corpus["train"])
+    rows = [json.loads(x) for x in open(fresh_corpus["train"])]
+    upstream = [{"audio": r["audio_filepath"], "text": r["text"], "dataset_id": k % 2,
+                 **({"ref_audio": rows[0]["audio_filepath"]} if k else {})} for k, r in enumerate(rows)]
+    path = os.path.join(root, "upstream.jsonl")
+    open(path, "w").writelines(json.dumps(r) + "\n" for r in upstream)
+    cfg = recipe_config(fresh_corpus, tmp_path)
+    assert ft.prepare_manifest(cfg, path)["encoded"] == FRESH
+    utts = tts_cache.read_cache(path, ft.vae_spec(cfg), 2)
+    ref = os.path.join(root, rows[0]["audio_filepath"])
+    assert [(u.text, u.ref_audio, u.dataset_id) for u in utts] == [
+        (r["text"], ref if k else None, k % 2) for k, r in enumerate(rows)]
+    assert [u.id for u in utts] == [f"{path}:{k + 1}" for k in range(FRESH)]
+    again = ft.prepare_manifest(cfg, path)  # durations from the header cache, latents reused
+    assert (again["encoded"], again["written"]) == (0, False)
 
 
 # ------------------------------------------------------------------------------ batches and the loss

@@ -102,3 +102,145 @@ def test_unicode_line_separators_inside_text_and_a_bom(tmp_path):
     assert [e.line for e in entries] == [1, 2, 4]
     assert entries[1].text == odd["text"]
     assert [p.line for p in problems] == [3]
+
+
+# ------------------------------------------------------------------ spellings: data as users have it
+
+
+@pytest.mark.parametrize("audio_key", ["audio_filepath", "audio", "audio_path"])
+@pytest.mark.parametrize("text_key", ["text", "transcript", "transcription", "sentence"])
+def test_every_spelling_of_audio_and_text(tmp_path, audio_key, text_key):
+    m = write_lines(tmp_path / "m.jsonl", [{audio_key: "a.wav", text_key: "hello", "duration": 1.0}])
+    (e,) = load_manifest(m)
+    assert (e.audio_filepath, e.text, e.extra) == (str(tmp_path / "a.wav"), "hello", {})
+
+
+@pytest.mark.parametrize("key, field, value", [("id", "id", "u1"), ("utt_id", "id", "u1"),
+                                               ("speaker", "speaker", "s1"), ("speaker_id", "speaker", "s1"),
+                                               ("lang", "lang", "en"), ("language", "lang", "en"),
+                                               ("dataset_id", "dataset_id", 3)])
+def test_every_spelling_of_the_optional_fields(tmp_path, key, field, value):
+    m = write_lines(tmp_path / "m.jsonl", [{"audio": "a.wav", "text": "t", "duration": 1, key: value}])
+    (e,) = load_manifest(m)
+    assert getattr(e, field) == value and e.extra == {}
+
+
+def test_upstream_voxcpm_jsonl_reads_unchanged(tmp_path):
+    """upstream's {"audio", "text", "ref_audio", "duration", "dataset_id"}: the audio (also HF's
+    {"path": ...}) and ref_audio resolve against the manifest folder; dataset_id stays an integer."""
+    m = write_lines(tmp_path / "train.jsonl", [
+        {"audio": "wavs/a.wav", "text": "one", "ref_audio": "refs/r.wav", "duration": 2.5, "dataset_id": 0},
+        {"audio": {"path": "/abs/b.wav"}, "text": "two", "duration": 1.0, "dataset_id": 1, "ref_audio": None},
+        {"audio": "wavs/c.wav", "text": "three", "duration": 1.5, "emotion": "calm"},
+    ])
+    a, b, c = load_manifest(m)
+    assert (a.audio_filepath, a.ref_audio, a.dataset_id, a.duration) == (
+        str(tmp_path / "wavs" / "a.wav"), str(tmp_path / "refs" / "r.wav"), 0, 2.5)
+    assert (b.audio_filepath, b.ref_audio, b.dataset_id) == ("/abs/b.wav", None, 1)
+    assert (c.ref_audio, c.dataset_id, c.extra) == (None, None, {"emotion": "calm"})
+    assert a.extra == {} and b.extra == {} and a.id == f"{m}:1"
+
+
+def test_two_spellings_of_one_field_must_agree(tmp_path):
+    m = write_lines(tmp_path / "m.jsonl", [
+        {"audio": "a.wav", "audio_filepath": "./a.wav", "text": "x", "sentence": "x", "duration": 1},  # agree
+        {"audio": "a.wav", "audio_filepath": "b.wav", "text": "x", "duration": 1},
+        {"audio": "a.wav", "text": "x", "transcript": "y", "duration": 1},
+        {"audio": "a.wav", "text": "x", "duration": 1, "lang": "en", "language": "de"},
+    ])
+    entries, problems = parse_manifest(m)
+    assert [e.line for e in entries] == [1] and entries[0].extra == {}
+    assert [p.line for p in problems] == [2, 3, 4]
+    assert "audio_filepath and audio disagree ('b.wav' vs 'a.wav')" in problems[0].reason
+    assert "data.fields.audio" in problems[0].reason
+    assert "text and transcript disagree ('x' vs 'y')" in problems[1].reason
+    assert "lang and language disagree" in problems[2].reason
+
+
+def test_a_line_without_audio_or_text_names_file_line_its_keys_and_the_spellings(tmp_path):
+    m = write_lines(tmp_path / "m.jsonl", [{"audio": "a.wav", "text": "ok", "duration": 1},
+                                           {"wav": "a.wav", "normalized": "x", "duration": 1}])
+    with pytest.raises(DataError) as err:
+        load_manifest(m)
+    msg = str(err.value)
+    assert f"{m}:2: missing key(s) audio_filepath (or audio, audio_path), text (or transcript, transcription, " \
+           "sentence); the line has wav, normalized, duration" in msg
+    assert "data.fields" in msg
+
+
+def test_data_fields_names_keys_of_other_names(tmp_path):
+    """data.fields: {audio: wav, text: normalized}: those keys are read, the usual spellings of
+    those fields pass through as extra keys (no disagreement), and the message names data.fields."""
+    import ddptrain
+    from ddptrain.data.tokenizer import CharTokenizer
+    from ddptrain.data.validate import read_entries
+
+    m = write_lines(tmp_path / "m.jsonl", [{"wav": "a.wav", "normalized": "hello", "text": "Hello!", "duration": 1},
+                                           {"wav": "b.wav", "text": "no normalized key", "duration": 1}])
+    cfg = ddptrain.load_config(None, ["data.fields={audio: wav, text: normalized}"]).data
+    assert cfg.fields == {"audio": "wav", "text": "normalized"}
+    entries, problems = read_entries(m, cfg.fields)
+    assert (entries[0].audio_filepath, entries[0].text, entries[0].extra) == (
+        str(tmp_path / "a.wav"), "hello", {"text": "Hello!"})
+    assert [p.line for p in problems] == [2]
+    assert "missing key(s) normalized (data.fields.text); the line has wav, text, duration" in problems[0].reason
+    assert set(CharTokenizer.build(m, fields=cfg.fields).encode("hello")) and \
+        "!" not in CharTokenizer.build(m, fields=cfg.fields).vocab
+    with pytest.raises(ddptrain.ConfigError, match="unknown field 'wave'"):
+        ddptrain.load_config(None, ["data.fields={wave: x}"])
+    with pytest.raises(DataError, match="unknown field 'wave'"):
+        load_manifest(m, {"wave": "x"})
+
+
+def test_null_optional_values_are_absent_and_a_segment_needs_its_duration(tmp_path):
+    m = write_lines(tmp_path / "m.jsonl", [
+        {"audio": "a.wav", "text": "t", "duration": 1, "id": None, "speaker": None, "offset": None},
+        {"audio": "a.wav", "text": "t", "offset": 0.5},
+    ])
+    entries, problems = parse_manifest(m)
+    assert (entries[0].id, entries[0].speaker, entries[0].is_segment) == (f"{m}:1", None, False)
+    assert [p.line for p in problems] == [2]
+    assert "missing key(s) duration: a segment line (one with offset) must give its length" in problems[0].reason
+
+
+def test_upstream_keys_reach_the_dataset_item_and_the_batch(tmp_path):
+    """dataset_id and ref_audio pass through SpeechDataset into the batch (None where a line has none)."""
+    import numpy as np
+    import soundfile as sf
+
+    from ddptrain.data import DataConfig, build_dataloader
+
+    for name, n in (("a", 8000), ("b", 12000), ("r", 4000)):
+        sf.write(str(tmp_path / f"{name}.wav"), 0.1 * np.sin(np.arange(n) / 5.0), 16000)
+    m = write_lines(tmp_path / "up.jsonl", [{"audio": "a.wav", "text": "one", "ref_audio": "r.wav", "dataset_id": 2},
+                                            {"audio": "b.wav", "text": "two"}])
+    cfg = DataConfig(features="raw", num_workers=0, shuffle=False, max_duration=100, output_frame_rate=0)
+    loader = build_dataloader(m, cfg, None, train=False)
+    item = loader.dataset[0]
+    assert (item["dataset_id"], item["ref_audio"]) == (2, str(tmp_path / "r.wav"))
+    assert (loader.dataset[1]["dataset_id"], loader.dataset[1]["ref_audio"]) == (None, None)
+    got, lens = {}, {}
+    for batch in loader:
+        got.update(zip(batch["texts"], zip(batch["dataset_ids"], batch["ref_audios"])))
+        lens.update(zip(batch["texts"], batch["audio_lens"].tolist()))
+    assert got == {"one": (2, str(tmp_path / "r.wav")), "two": (None, None)}
+    assert lens == {"one": 8000, "two": 12000} and [e.duration for e in load_manifest(m)] == [0.5, 0.75]
+
+
+def test_the_command_lines_take_field(tmp_path, capsys):
+    """--field FIELD=KEY on `python -m ddptrain.data.validate` and `python -m ddptrain.data.shards`."""
+    import numpy as np
+    import soundfile as sf
+
+    from ddptrain.data import load_shards, shards, validate
+
+    sf.write(str(tmp_path / "a.wav"), 0.1 * np.sin(np.arange(8000) / 5.0), 16000)
+    m = write_lines(tmp_path / "m.jsonl", [{"wav": "a.wav", "normalized": "hello", "text": "Hello!"}])
+    assert validate.main([m, "--output-frame-rate", "0", "--field", "audio=wav", "--field", "text=normalized"]) == 0
+    assert "1 utterance(s), no problems" in capsys.readouterr().out
+    assert validate.main([m, "--output-frame-rate", "0"]) == 1
+    assert f"{m}:1: bad line: missing key(s) audio_filepath" in capsys.readouterr().out
+    assert validate.main([m, "--field", "wave=x"]) == 1 and "unknown field 'wave'" in capsys.readouterr().err
+    assert shards.main([m, str(tmp_path / "sh"), "--field", "audio=wav", "--field", "text=normalized"]) == 0
+    s = load_shards(str(tmp_path / "sh"))
+    assert len(s) == 1 and float(s.duration[0]) == 0.5

@@ -11,8 +11,9 @@ with ``DurationBucketSampler.from_config`` and ``make_loader``, never a DataLoad
     train_loader.batch_sampler.epoch_stats()             # padding fraction etc., for logging
     train_loader.batch_sampler.state_dict()              # into the checkpoint, per rank
 
-File map: ``manifest.py`` (JSONL), ``audio.py`` (soundfile + resampling), ``features.py``
-(fbank/log-mel, normalisation, SpecAugment; also the GPU batch path), ``tokenizer.py``
+File map: ``manifest.py`` (JSONL; the one mapping of key spellings, ``data.fields``),
+``durations.py`` (a missing ``duration`` from the audio header, cached), ``audio.py`` (soundfile +
+resampling), ``features.py`` (fbank/log-mel, normalisation, SpecAugment; also the GPU batch path), ``tokenizer.py``
 (characters, blank = 0), ``sampler.py`` (DurationBucketSampler; ``from_config``: the one
 translation of the config to batching), ``dataset.py`` (index -> example, bad-data policy),
 ``collate.py`` (padding, batch keys), ``loader.py`` (build_dataloader; ``make_loader``: the one

@@ -11,7 +11,9 @@ True = padding  -- when features are computed in the workers;
 ``tokens`` (B, L) int64 padded with 0 (the blank; use ``token_lens``), ``token_lens`` (B,)
 -- when a tokenizer is set;
 ``texts`` list[str], ``ids`` list[str], ``skipped_ids`` list[str] (utterances of this batch
-dropped under ``bad_data: skip``; usually empty).
+dropped under ``bad_data: skip``; usually empty);
+``dataset_ids`` / ``ref_audios`` lists (``None`` where a line has none) -- when the examples carry
+``dataset_id`` / ``ref_audio`` (manifests with upstream VoxCPM's keys).
 
 A batch can have B = 0: every utterance of it was skipped, or it is an ``exact``-tail filler on
 an evaluation rank. Tensors then have a zero batch dimension; loops should skip such batches
@@ -65,6 +67,9 @@ class SpeechCollator:
             "texts": [e["text"] for e in good],
             "skipped_ids": [e.id for e in examples if isinstance(e, BadExample)],
         }
+        for key, name in (("dataset_id", "dataset_ids"), ("ref_audio", "ref_audios")):
+            if any(key in e for e in good):
+                batch[name] = [e.get(key) for e in good]
         if self.mode == "features":
             seqs = [e["features"] for e in good]
             x, lens = self._pad([s for s in seqs], (self.num_mel_bins,), torch.float32)

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DataConfig:
-    # --- manifests (NeMo-style JSONL: audio_filepath, duration, text [, offset, speaker, lang, id])
+    # --- manifests (JSONL: audio_filepath|audio|audio_path, text|transcript|sentence [, duration, offset, id, ...]: manifest.py)
     train_manifest: str = ""  # training manifest path (several: comma-separated); or shards: a .tar, a folder or glob of them
     eval_manifest: str = ""  # evaluation manifest path ("" = no evaluation data)
+    fields: dict[str, str] = field(default_factory=dict)  # manifest keys of other names, {field: key}, e.g. {audio: wav, text: normalized}; fields: audio, text, duration, offset, id, speaker, lang, dataset_id, ref_audio
     # --- named sources and shards (mix.py, shards.py)
     train_sources: dict[str, str] = field(default_factory=dict)  # instead of train_manifest: {name: manifest or shards}, mixed by train_weights
     train_weights: dict[str, float] = field(default_factory=dict)  # {name: weight}: each source's share of every epoch's utterances; {} = by size

@@ -83,10 +83,16 @@ class SpeechDataset(Dataset):
             ``cfg.seed``, the epoch (:meth:`set_epoch`) and the index.
 
     ``dataset[i]`` is a dict with ``id``, ``text``, ``tokens`` (int64 tensor, if a tokenizer is
-    set) and either ``features`` (T, F) float32 (``feature_device: worker``) or ``audio`` (S,)
+    set), ``dataset_id`` and ``ref_audio`` (upstream VoxCPM's keys, passed through: only when some
+    line has them, ``None`` on the others) and either ``features`` (T, F) float32 (``feature_device: worker``) or ``audio`` (S,)
     float32 at ``cfg.sample_rate`` (``features: raw`` or ``feature_device: gpu``); or a
     :class:`BadExample` under ``bad_data: skip``.
     """
+
+    # the pass-through keys, None when no entry has them (ShardDataset: never)
+    ref_audios: Optional[PackedStrings] = None
+    dataset_id_values: Optional[list] = None  # the distinct dataset_id values (a few), indexed by dataset_id_index
+    dataset_id_index: Optional[np.ndarray] = None
 
     def __init__(self, entries: Sequence[ManifestEntry], cfg: DataConfig, tokenizer=None, train: bool = False):
         self.ids = PackedStrings([e.id for e in entries])
@@ -97,6 +103,13 @@ class SpeechDataset(Dataset):
         self.durations = np.array([e.duration for e in entries], dtype=np.float64)
         self.offsets = np.array([e.offset for e in entries], dtype=np.float64)
         self.is_segment = np.array([e.is_segment for e in entries], dtype=bool)
+        if any(e.ref_audio for e in entries):
+            self.ref_audios = PackedStrings([e.ref_audio or "" for e in entries])
+        if any(e.dataset_id is not None for e in entries):
+            # a table of the few distinct values plus an index array: not one Python object per entry
+            self.dataset_id_values = list(dict.fromkeys(e.dataset_id for e in entries))
+            where = {v: k for k, v in enumerate(self.dataset_id_values)}
+            self.dataset_id_index = np.array([where[e.dataset_id] for e in entries], dtype=np.int32)
         self._setup(cfg, tokenizer, train)
 
     def _setup(self, cfg: DataConfig, tokenizer, train: bool) -> None:
@@ -159,6 +172,10 @@ class SpeechDataset(Dataset):
         speed = self.speeds[int(torch.randint(len(self.speeds), (), generator=rng))] if self.speeds else 1.0
         wave, text, uid = self._read(i, speed)
         out = {"id": uid, "text": text}
+        if self.dataset_id_index is not None:
+            out["dataset_id"] = self.dataset_id_values[int(self.dataset_id_index[i])]
+        if self.ref_audios is not None:
+            out["ref_audio"] = self.ref_audios[i] or None
         if self.tokenizer is not None:
             out["tokens"] = torch.tensor(self.tokenizer.encode(text), dtype=torch.int64)
         if self.extractor is None:

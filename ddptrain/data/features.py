@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from ddptrain.config import check_section
 from ddptrain.data.audio import load_audio
 from ddptrain.data.config import DataConfig
-from ddptrain.data.manifest import load_manifest
+from ddptrain.data.manifest import load_manifest, parse_field_args
 
 FEATURE_KINDS = ("fbank", "logmel", "whisper_logmel")
 WHISPER_WINDOW_S = 30  # Whisper encoders take 30 s windows: 3000 frames of 10 ms
@@ -328,10 +328,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--sample-rate", type=int, default=16000)
     p.add_argument("--num-mel-bins", type=int, default=80)
     p.add_argument("--max-utterances", type=int, default=2000, help="0 = all")
+    p.add_argument("--field", action="append", default=[], metavar="FIELD=KEY",
+                   help="a manifest key of another name, as data.fields (e.g. audio=wav); repeatable")
     a = p.parse_args(argv)
 
     cfg = DataConfig(features=a.features, sample_rate=a.sample_rate, num_mel_bins=a.num_mel_bins)
-    stats = compute_global_stats(load_manifest(a.manifest), cfg, a.max_utterances)
+    stats = compute_global_stats(load_manifest(a.manifest, parse_field_args(a.field)), cfg, a.max_utterances)
     with open(a.output, "w", encoding="utf-8") as f:
         json.dump(stats, f)
     print(f"wrote {a.output}: {stats['frames']} frames, {len(stats['mean'])} bins")

@@ -96,7 +96,7 @@ def build_dataloader(
         report, durations = sources.report, sources.durations
         _check_same_on_all_ranks(sources.fingerprint(), durations.size)
     else:
-        entries, problems = read_entries(manifest)
+        entries, problems = read_entries(manifest, cfg.fields)
         if cfg.validate:
             problems += _check_sharded(entries, cfg, tokenizer)
             problems += duplicate_problems([entries], [None], by_id=False)[0]  # one audio in two manifests

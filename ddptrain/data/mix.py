@@ -260,7 +260,7 @@ def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable)
         manifests = [p for p in paths if not is_shard_spec(p)]
         specs = [p for p in paths if is_shard_spec(p)]
         if manifests:
-            entries, bad = read_entries(manifests)
+            entries, bad = read_entries(manifests, cfg.fields)
             if cfg.validate:
                 bad += check_manifest(entries, cfg, tokenizer)
             report = finish_report(entries, bad, "skip")

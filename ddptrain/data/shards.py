@@ -60,7 +60,7 @@ from ddptrain.data.audio import AudioError, load_audio, resample
 from ddptrain.data.config import DataConfig
 from ddptrain.data.dataset import PackedStrings, SpeechDataset
 from ddptrain.data.errors import DataError, Problem
-from ddptrain.data.manifest import load_manifest
+from ddptrain.data.manifest import load_manifest, parse_field_args
 from ddptrain.data.sampler import padded_cost
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _is_gzip(path: str) -> bool:
 
 
 def write_shards(manifest, out_dir: str, shard_size: int = 1000, shuffle: bool = True, seed: int = 0,
-                 audio: str = "keep", prefix: str = "shard") -> list[str]:
+                 audio: str = "keep", prefix: str = "shard", fields: Optional[dict] = None) -> list[str]:
     """Write a manifest's utterances as tar shards plus their indexes.
 
     Args:
@@ -141,6 +141,7 @@ def write_shards(manifest, out_dir: str, shard_size: int = 1000, shuffle: bool =
             those with an ``offset``, are cut and stored as FLAC); ``flac`` / ``wav``: decode
             and store every utterance in that format, at the file's sample rate.
         prefix: shard file-name prefix.
+        fields: ``data.fields`` (manifest keys of other names: ddptrain/data/manifest.py).
 
     Returns:
         The shard paths.
@@ -151,7 +152,7 @@ def write_shards(manifest, out_dir: str, shard_size: int = 1000, shuffle: bool =
     if shard_size < 1 or audio not in ("keep", "flac", "wav"):
         raise DataError(f"need shard_size >= 1 and audio in keep|flac|wav, got {shard_size=} {audio=}")
     entries = list(manifest) if isinstance(manifest, list) and manifest and not isinstance(manifest[0], str) \
-        else load_manifest(manifest)
+        else load_manifest(manifest, fields)
     order = np.random.default_rng(seed).permutation(len(entries)) if shuffle else np.arange(len(entries))
     os.makedirs(out_dir, exist_ok=True)
     paths = []
@@ -172,7 +173,8 @@ def _write_one(path: str, entries, audio: str) -> None:
                 data, ext = _audio_bytes(e, audio)
                 key = _key_for(f"line{e.line:08d}" if e.id == f"{e.source}:{e.line}" else e.id, used)
                 record = {"id": e.id, "text": e.text, "duration": e.duration}
-                record.update({k: v for k, v in (("speaker", e.speaker), ("lang", e.lang)) if v is not None})
+                record.update({k: v for k, v in (("speaker", e.speaker), ("lang", e.lang), ("dataset_id", e.dataset_id),
+                                                 ("ref_audio", e.ref_audio)) if v is not None})
                 record.update(e.extra)
                 meta = json.dumps(record, ensure_ascii=False).encode("utf-8")
                 cols["keys"].append(key)
@@ -810,6 +812,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="keep the audio files' bytes (default), or re-encode every utterance")
     p.add_argument("--prefix", default="shard", help="shard file-name prefix")
     p.add_argument("--index", action="store_true", help="(re)build the indexes of existing shards")
+    p.add_argument("--field", action="append", default=[], metavar="FIELD=KEY",
+                   help="a manifest key of another name, as data.fields (e.g. audio=wav); repeatable")
     a = p.parse_args(argv)
     try:
         if a.index:
@@ -825,7 +829,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if len(a.paths) != 2:
             p.error("expected MANIFEST OUT_DIR")
-        paths = write_shards(a.paths[0], a.paths[1], a.shard_size, not a.no_shuffle, a.seed, a.audio, a.prefix)
+        paths = write_shards(a.paths[0], a.paths[1], a.shard_size, not a.no_shuffle, a.seed, a.audio, a.prefix,
+                             parse_field_args(a.field))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

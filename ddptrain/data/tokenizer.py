@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import unicodedata
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import parse_manifest, split_paths
@@ -56,17 +56,20 @@ class CharTokenizer:
 
     # ------------------------------------------------------------------ building and files
     @classmethod
-    def build(cls, texts_or_manifest: Union[str, os.PathLike, Iterable], unk_token: Optional[str] = None) -> "CharTokenizer":
+    def build(cls, texts_or_manifest: Union[str, os.PathLike, Iterable], unk_token: Optional[str] = None,
+              fields: Optional[Mapping[str, str]] = None) -> "CharTokenizer":
         """Build from texts, manifest entries, or a manifest path (comma-separated paths too).
 
         Args:
             texts_or_manifest: iterable of strings or of ``ManifestEntry``, or manifest path(s).
             unk_token: add this token (id 1) and map unknown characters to it.
+            fields: ``data.fields``, for a manifest path (keys of other names: manifest.py).
         """
         if isinstance(texts_or_manifest, (str, os.PathLike)):
-
-            # bad lines are the validator's business (and may be skipped); the texts are what count here
-            texts: Iterable = (e.text for p in split_paths(texts_or_manifest) for e in parse_manifest(p)[0])
+            # bad lines are the validator's business (and may be skipped); the texts are what count
+            # here, so no audio header is read for a line without duration
+            texts: Iterable = (e.text for p in split_paths(texts_or_manifest)
+                               for e in parse_manifest(p, fields, read_durations=False)[0])
         else:
             texts = (t if isinstance(t, str) else t.text for t in texts_or_manifest)
         chars: set[str] = set()
@@ -193,7 +196,7 @@ def load_or_build_tokenizer(cfg) -> CharTokenizer:
         return tok
     if not cfg.train_manifest:
         raise DataError("no tokenizer: set data.tokenizer to a file or data.train_manifest to build one")
-    tok = CharTokenizer.build(cfg.train_manifest, unk_token=cfg.unk_token or None)
+    tok = CharTokenizer.build(cfg.train_manifest, unk_token=cfg.unk_token or None, fields=cfg.fields)
     if cfg.tokenizer:
         tok.save(cfg.tokenizer)
     return tok

@@ -2,7 +2,8 @@
 
 Checks, per line (the reason strings start with these words, so reports can be grepped):
 
-* ``bad line``: not JSON / missing or mistyped keys (from the manifest parser);
+* ``bad line``: not JSON / missing, mistyped or disagreeing keys, or no ``duration`` and an audio
+  header that cannot give it (from the manifest parser);
 * ``duplicate id``: within the manifests read together, and (:func:`duplicate_problems`) across
   every source and shard set of a run;
 * ``duplicate audio``: a line of one manifest file names the audio (file, and segment) of a line
@@ -45,7 +46,7 @@ Command line::
 
     python -m ddptrain.data.validate train.jsonl [more.jsonl | shards/] [--config configs/x.yaml]
         [--sample-rate 16000] [--max-duration 200] [--output-frame-rate 25] [--tokenizer vocab.json]
-        [--decode] [--threads 8]
+        [--decode] [--threads 8] [--field audio=wav ...]
 
 prints one ``file:line: reason`` per problem and a summary, and exits 1 if there were problems.
 """
@@ -58,7 +59,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Protocol, Sequence, Union
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import soundfile as sf
@@ -67,7 +68,7 @@ from ddptrain.config import ConfigError, check_section, load_config
 from ddptrain.data.audio import AudioError, audio_info
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
-from ddptrain.data.manifest import ManifestEntry, duplicate_id_problems, parse_manifest, split_paths
+from ddptrain.data.manifest import ManifestEntry, duplicate_id_problems, parse_field_args, parse_manifest, split_paths
 from ddptrain.data.sampler import padded_cost
 from ddptrain.data.shards import ShardSet, check_shards, is_shard_spec, load_shards
 from ddptrain.data.tokenizer import CharTokenizer
@@ -155,7 +156,8 @@ def validate_manifest(
     listed = isinstance(manifest, (list, tuple)) and manifest and isinstance(manifest[0], ManifestEntry)
     paths = [] if listed else split_paths(manifest)
     specs = [p for p in paths if is_shard_spec(p)]
-    entries, problems = read_entries(manifest if listed or not specs else [p for p in paths if p not in specs])
+    entries, problems = read_entries(manifest if listed or not specs else [p for p in paths if p not in specs],
+                                     cfg.fields)
     problems += check_entries(entries, cfg, tokenizer, decode, num_threads)
     parts, counted = [entries], 0
     if specs:
@@ -175,12 +177,13 @@ def validate_manifest(
     return report
 
 
-def read_entries(manifest: ManifestLike) -> tuple[list[ManifestEntry], list[Problem]]:
+def read_entries(manifest: ManifestLike, fields: Optional[Mapping[str, str]] = None) -> tuple[list[ManifestEntry], list[Problem]]:
     """Parse manifests into entries, collecting every bad line instead of stopping at the first.
 
     Args:
         manifest: path, comma-separated paths, list of paths, or a list of ``ManifestEntry``
             (taken as they are: only their ids are checked).
+        fields: ``data.fields`` (manifest keys of other names: ddptrain/data/manifest.py).
 
     Returns:
         ``(entries, problems)``: the parsed entries in manifest order, and one ``Problem`` per
@@ -195,7 +198,7 @@ def read_entries(manifest: ManifestLike) -> tuple[list[ManifestEntry], list[Prob
         return entries, duplicate_id_problems(entries)
     entries, problems = [], []
     for path in split_paths(manifest):
-        got, bad = parse_manifest(path)
+        got, bad = parse_manifest(path, fields)
         entries += got
         problems += [replace(p, reason="bad line: " + p.reason) for p in bad]
     return entries, problems + duplicate_id_problems(entries)
@@ -453,6 +456,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--output-frame-rate", type=float, help="model output frames/s for the CTC check (0 = off)")
     p.add_argument("--duration-tolerance", type=float)
     p.add_argument("--tokenizer", help="tokenizer file: also check for unknown characters")
+    p.add_argument("--field", action="append", default=[], metavar="FIELD=KEY",
+                   help="a manifest key of another name, as data.fields (e.g. audio=wav); repeatable")
     p.add_argument("--decode", action="store_true", help="decode every file in full (slow, thorough)")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -468,6 +473,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      ("duration_tolerance", "duration_tolerance")]:
         if getattr(a, arg) is not None:
             cfg = replace(cfg, **{key: getattr(a, arg)})
+    try:
+        if a.field:
+            cfg = replace(cfg, fields={**cfg.fields, **parse_field_args(a.field)})
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     tokenizer = None
     tok_path = a.tokenizer or (cfg.tokenizer if a.config and cfg.tokenizer and os.path.exists(cfg.tokenizer) else "")
     try:
