@@ -84,6 +84,7 @@ def _runs_worker(rank, world, out, runs):
                 reducer.reset_peak()
             return update(*args)
 
+        held_then_update.before_backward = update.before_backward  # the loop calls it before each backward
         trainer.update = held_then_update
         trainer.fit()
         masters = {trainer.master.global_index[id(m)]: m.detach().clone() for _, m in trainer.master.pairs}
