@@ -34,8 +34,8 @@ number as the weight: no host synchronisation (the Trainer already knows on the 
 step was applied). ``lerp(ema, w, 1 - decay)`` is ``decay * ema + (1 - decay) * w``.
 
 Decay warm-up (``ema.warmup``, off by default): the n-th update (from 0) uses
-``min(decay, (1 + n) / (10 + n))`` (TensorFlow's ``num_updates`` rule, also timm's and torch's
-``AveragedModel`` recipes), so a from-scratch run's random start fades in a few hundred updates.
+``min(decay, (1 + n) / (10 + n))`` (TensorFlow's ``ExponentialMovingAverage(num_updates=...)``
+rule, also latent diffusion's), so a from-scratch run's random start fades in a few hundred updates.
 Off by default because ddptrain's users mostly fine-tune: their start is a good pretrained model,
 and the warm-up would discard it after the first few updates in favour of the early, noisiest
 fine-tuned weights.

@@ -664,7 +664,8 @@ def checkpoint_ema(path: str, which: str = "auto") -> dict:
     folder = os.path.dirname(os.path.abspath(weights_file(path)))
     if which == "model":
         return {}
-    meta = read_meta(folder).get("ema") if os.path.isfile(os.path.join(folder, COMPLETE)) else None
+    saved = all(os.path.isfile(os.path.join(folder, n)) for n in (COMPLETE, "meta.json"))  # a ddptrain checkpoint
+    meta = read_meta(folder).get("ema") if saved else None
     if which == "auto" and not (meta and meta.get("evaluated")):
         return {}
     found = saved_ema(folder) if meta else {}
@@ -701,8 +702,8 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
     file = weights_file(checkpoint)
     info = weights_info(file)
     cast = DTYPES[dtype] if dtype else None
-    averaged = checkpoint_ema(file, weights)
-    with SafetensorsSource(file) as own:
+    with SafetensorsSource(file) as own:  # checked against the checkpoint's SHA256SUMS here, first
+        averaged = checkpoint_ema(file, weights)
         unknown = sorted(set(averaged) - set(own.keys()))
         if unknown:
             raise CheckpointError(f"the EMA of {file} has tensors its weights lack: {unknown[:10]}")
