@@ -6,8 +6,8 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
         model.safetensors     weights only; loadable with safetensors + load_state_dict, no ddptrain
                               (checkpoint.trainable_only: the trainable tensors, the base by path);
                               written and read by ddptrain/weights.py
-        trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress), rank 0
-        {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer shard
+        trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress, EMA), rank 0
+        {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer (and EMA) shard
         config.yaml           the config the checkpoint was saved under
         folders.json          fingerprints of a recipe's model folders (RESUME_FOLDERS; ddptrain/resume.py)
         meta.json             step, epoch, world size, run id, eval metrics, time

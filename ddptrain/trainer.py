@@ -228,7 +228,8 @@ class Trainer:
         """Loss per unit and user metrics over a whole data set, reduced as sums over ranks.
 
         Uses the unwrapped module: DDP's forward may run collectives (buffer broadcast), and
-        ranks may hold different numbers of eval batches (even none).
+        ranks may hold different numbers of eval batches (even none). With ``ema.enabled`` it
+        scores the EMA weights (``ema.evaluate``; ddptrain/ema.py), the trained ones put back after.
 
         Args:
             data: defaults to the Trainer's ``eval_data`` (whose result feeds keep-best-k);
@@ -327,8 +328,8 @@ class Trainer:
         resume.check(diff, path, resume.refused_keys(self.cfg), moved)
         shared, per_rank = self._states()
         fresh = self.ema is not None and "ema" not in ckpt.read_meta(path)  # ema.enabled since this checkpoint
-        if fresh:
-            shared.pop("ema", None), per_rank.pop("ema", None)
+        for states in (shared, per_rank) if fresh else ():
+            states.pop("ema", None)  # nothing saved to load into it
         meta = ckpt.load(path, shared, per_rank, self.info.world_size, self.info.rank)
         source, saved = weights.read_weights(path)
         weights.apply_weights(self.module, source, saved, strict=True, expect=weights.resume_keys(self.module, source))
