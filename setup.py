@@ -26,6 +26,7 @@ setup(
     extras_require={"dev": ["pytest", "pytest-timeout", "transformers>=5.0", "einops", "pydantic>=2"]},
     # the `python -m ddptrain.X` tools as commands (tests/test_entry_points.py: one per tool, each target callable)
     entry_points={"console_scripts": [
+        "ddptrain-average = ddptrain.average:main",
         "ddptrain-config = ddptrain.config:main",
         "ddptrain-features = ddptrain.data.features:main",
         "ddptrain-memory = ddptrain.memory:main",

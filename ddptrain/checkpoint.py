@@ -6,8 +6,8 @@ Layout of one checkpoint (a folder under ``<output_dir>/checkpoints/``)::
         model.safetensors     weights only; loadable with safetensors + load_state_dict, no ddptrain
                               (checkpoint.trainable_only: the trainable tensors, the base by path);
                               written and read by ddptrain/weights.py
-        trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress), rank 0
-        {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer shard
+        trainer.pt            the shared states (optimizer, LR scheduler, loss scaler, progress, EMA), rank 0
+        {name}_rank{r}.pt     the per-rank states: rng, sampler position, a ZeRO optimizer (and EMA) shard
         config.yaml           the config the checkpoint was saved under
         folders.json          fingerprints of a recipe's model folders (RESUME_FOLDERS; ddptrain/resume.py)
         meta.json             step, epoch, world size, run id, eval metrics, time
@@ -66,7 +66,7 @@ CHECKSUMS = "SHA256SUMS"
 
 __all__ = ["CheckpointError", "COMPLETE", "CHECKSUMS", "checkpoint_root", "list_complete", "find_latest",
            "run_id_of", "check_writable", "sha256_files", "read_checksums", "mark_intact", "damage", "ensure_intact",
-           "newest_intact", "save", "read_meta", "resolve", "load", "prune", "produces"]
+           "newest_intact", "save", "read_meta", "resolve", "load", "saved_states", "prune", "produces"]
 
 
 class CheckpointError(RuntimeError):
@@ -517,10 +517,26 @@ def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) ->
     return meta
 
 
-def _torch_load(path: str):
+def saved_states(path: str, key: str) -> list:
+    """The saved state of one stateful object, not loaded into one: ``[state]`` when it was saved
+    once (``trainer.pt``), every rank's (``{key}_rank{r}.pt``, rank order) when per rank, [] when
+    the checkpoint has none. Tensors are memory-mapped: read from disk when used, so a tool (an
+    export) can take one tensor at a time.
+
+    Raises:
+        CheckpointError: see :func:`read_meta`; a file that does not match its checksum.
+    """
+    meta = read_meta(path)
+    if key in meta.get("per_rank", []):
+        return [_torch_load(os.path.join(path, f"{key}_rank{r}.pt"), mmap=True) for r in range(int(meta["world_size"]))]
+    state = _torch_load(os.path.join(path, "trainer.pt"), mmap=True)
+    return [state[key]] if key in state else []
+
+
+def _torch_load(path: str, mmap: bool = False):
     ensure_intact(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint file {path}: {type(e).__name__}: {e}") from e
 

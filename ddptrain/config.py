@@ -159,6 +159,16 @@ class LoraConfig:
 
 
 @dataclass
+class EmaConfig:
+    enabled: bool = False  # keep an exponential moving average of the trainable weights in fp32 (of the fp32 masters under param_dtype=bf16; each rank its own partition under optim.zero), saved in checkpoints; evaluation and keep_best use it (ddptrain/ema.py)
+    decay: float = 0.999  # per EMA update: ema = decay * ema + (1 - decay) * weights; it averages over about every_steps / (1 - decay) optimizer steps
+    every_steps: int = 1  # update the EMA after every N applied optimizer updates (a skipped non-finite step does not count)
+    warmup: bool = False  # the n-th update (from 0) uses min(decay, (1 + n) / (10 + n)), so the starting weights fade within a few hundred updates (training from scratch); false: a fine-tune's pretrained start counts at full decay
+    device: str = "auto"  # where the EMA lives: auto (host memory under optim.offload=cpu, beside the masters; else the training device), gpu (the training device), cpu (host memory: every update copies the fp32 weights down in chunks, the GPU's queue waiting)
+    evaluate: bool = True  # evaluation (and so keep_best) runs on the EMA weights, swapped in and back bit for bit; false: on the trained weights (the EMA is still kept and saved)
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -169,6 +179,7 @@ class Config:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
 
@@ -409,6 +420,12 @@ RULES: dict[str, Rule] = {
     "lora.base_offload": switch("none", "cpu"),
     "lora.stream_blocks": items(not_empty()),
     "lora.stream_ahead": at_least(1),
+    "ema.enabled": ANY,
+    "ema.decay": within(0, 1, high_open=True),
+    "ema.every_steps": at_least(1),
+    "ema.warmup": ANY,
+    "ema.device": one_of("auto", "gpu", "cpu"),
+    "ema.evaluate": ANY,
     "data.train_manifest": ANY,
     "data.eval_manifest": ANY,
     "data.fields": Rule("{field: key}, field one of ddptrain.data.manifest.FIELDS", lambda v: _manifest_fields(v)),
@@ -489,6 +506,9 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
      lambda base, acts, recompute: base == "none" or acts == "none" or recompute,
      "lora.base_offload=cpu with recompute.offload=cpu needs recompute.enabled=true: without recompute, activation "
      "offload's saved-tensor hooks would keep the streamed weights' ring memory as it is (overwritten by then)"),
+    (("ema.enabled", "ema.device", "optim.offload"), lambda on, where, offload: not on or where != "gpu" or offload == "none",
+     "ema.device=gpu with optim.offload=cpu would hold 4 B per trainable parameter on the GPU that the offload moved "
+     "off it, and copy the host masters up at every update: set ema.device=auto (the host, beside the masters)"),
     (("checkpoint.trainable_only", "checkpoint.base_model"), lambda only, base: not only or bool(str(base).strip()),
      "checkpoint.trainable_only=true needs checkpoint.base_model (the weights the frozen parameters come from: "
      "load_weights reads them before the checkpoint's own)"),

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, preflight, resume, runfolder, weights
+from ddptrain import dist, ema, preflight, resume, runfolder, weights
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
@@ -119,6 +119,7 @@ class Trainer:
         s = self.one_step = prepare_step(self.prepared, self.loss_fn, self.cfg, self.info)  # all preflight sees
         self.optimizer, self.precision, self.update = s.optimizer, s.precision, s.update
         self.guard = StepGuard(self.cfg.trainer, self.precision, self.progress)  # prints through the logger, once made
+        self.ema = ema.build(self.cfg.ema, self.module, self.master, self.optimizer, self.device)  # ema.enabled, else None
 
     def _setup_data(self) -> None:
         """Loader workers, run length and schedule horizon, signals, GC, CPU threads."""
@@ -212,6 +213,8 @@ class Trainer:
         out = self.update(*sums.totals(), self.preemption.requested, p.unit_scale)
         if out["stepped"]:
             self.scheduler.step()  # the schedule only advances with real updates
+            if self.ema is not None:
+                self.ema.step()  # and so does the EMA (every ema.every_steps of them)
         p.step += 1
         p.batches_done += len(micro_batches)
         if out["units"] > 0:
@@ -236,7 +239,8 @@ class Trainer:
         """Loss per unit and user metrics over a whole data set, reduced as sums over ranks.
 
         Uses the unwrapped module: DDP's forward may run collectives (buffer broadcast), and
-        ranks may hold different numbers of eval batches (even none).
+        ranks may hold different numbers of eval batches (even none). With ``ema.enabled`` it
+        scores the EMA weights (``ema.evaluate``; ddptrain/ema.py), the trained ones put back after.
 
         Args:
             data: defaults to the Trainer's ``eval_data`` (whose result feeds keep-best-k);
@@ -252,6 +256,9 @@ class Trainer:
         sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
         with torch.random.fork_rng(devices=[]):  # making an iterator draws a seed: keep training's RNG
             batches = iter(self.eval_data if own else data)
+        averaged = self.ema is not None and self.cfg.ema.evaluate
+        if averaged:
+            self.ema.swap_in()  # evaluate the EMA weights; the trained ones come back in `finally`
         try:
             for i, batch in enumerate(batches):
                 if max_batches and i >= max_batches:
@@ -269,6 +276,8 @@ class Trainer:
                     acc[1] += float(den)
         finally:
             batches = None  # shut workers down now, even on an exception (see _steps)
+            if averaged:
+                self.ema.swap_out()
         result = reduce_ratios(sums, self.device)
         c = self.cfg.checkpoint
         # a probe's batches need not hold every eval source: a per-source name counts if its source exists
@@ -293,6 +302,8 @@ class Trainer:
                     else LoaderPosition(self.progress)}
         sharded = optimizer_state(self.optimizer, self.master)  # ZeRO's shard or the sharded masters
         (per_rank if sharded else shared)["optimizer"] = sharded or self.optimizer
+        if self.ema is not None:  # sharded as the optimizer is
+            (per_rank if self.ema.sharded else shared)["ema"] = self.ema
         return shared, per_rank
 
     def save(self) -> str:
@@ -301,6 +312,8 @@ class Trainer:
         metrics = p.last_eval if p.last_eval_step == p.step else {}
         meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
+        if self.ema is not None:
+            meta["ema"] = self.ema.meta()  # whether the metrics measured the EMA (exports follow that)
         tensors, header = weights.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
         files = {weights.WEIGHTS: lambda path: weights.save_weights(tensors, path, header),
                  "config.yaml": to_yaml(self.cfg)}
@@ -324,11 +337,19 @@ class Trainer:
             diff = {}
         moved = resume.same_folders(diff, resume.saved_folders(path), self._folders)
         resume.check(diff, path, resume.refused_keys(self.cfg), moved)
-        meta = ckpt.load(path, *self._states(), self.info.world_size, self.info.rank)
+        shared, per_rank = self._states()
+        fresh = self.ema is not None and "ema" not in ckpt.read_meta(path)  # ema.enabled since this checkpoint
+        for states in (shared, per_rank) if fresh else ():
+            states.pop("ema", None)  # nothing saved to load into it
+        meta = ckpt.load(path, shared, per_rank, self.info.world_size, self.info.rank)
         source, saved = weights.read_weights(path)
         weights.apply_weights(self.module, source, saved, strict=True, expect=weights.resume_keys(self.module, source))
         if self.master:
             self.master.load_state_dict(saved, self.module)
+        if fresh:
+            self.ema.reset()  # it starts from the resumed weights
+            if self.info.is_main:
+                print(f"{path} holds no EMA (ema.enabled was off): the EMA starts from its weights")
         p.run_id = run_id  # a resume into another folder is a new run there
         apply_hparams(self.optimizer, self.scheduler, self.cfg.optim, self.cfg.scheduler, p.schedule_steps)
         if self.info.is_main:

@@ -5,9 +5,11 @@ One module owns the safetensors files ddptrain reads and writes: a checkpoint's
 :func:`read_weights` / :func:`load_weights`), pretrained weights streamed into a model built
 without storage (:func:`empty_weights` + :func:`load_pretrained`), and exports as plain or
 Hugging Face sharded files (:func:`write_shards`, :func:`export_merged`: a LoRA checkpoint's
-adapters merged into its base)::
+adapters merged into its base; with ``ema.enabled``, its EMA weights by default, see
+:func:`checkpoint_ema`), and one file written a tensor at a time (:func:`save_streamed`: the
+checkpoint average of ddptrain/average.py)::
 
-    python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16]
+    python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16] [--weights model]
 
 Why it sits above checkpoint.py: a weights path may name a checkpoint or a run folder (its
 newest complete checkpoint), and a file in a checkpoint is checked against the folder's
@@ -58,7 +60,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ddptrain.checkpoint import CheckpointError, checkpoint_root, ensure_intact, find_latest
+from ddptrain.checkpoint import COMPLETE, CheckpointError, checkpoint_root, ensure_intact, find_latest, read_meta
+from ddptrain.ema import saved_ema
 from ddptrain.lora import add_adapters, lora_scalings, merge_tensors
 from ddptrain.precision import kept_fp32
 
@@ -78,7 +81,7 @@ HEADER_LORA_SCALINGS = "ddptrain.lora_scalings"
 __all__ = ["WEIGHTS", "DTYPES", "unwrap", "weights_file", "read_header", "weights_info", "resolve_base",
            "save_weights", "trainable_keys", "base_fingerprint", "weights_to_save", "read_weights", "load_weights",
            "apply_weights", "resume_keys", "SafetensorsSource", "empty_weights", "load_pretrained", "write_shards",
-           "export_merged", "main"]
+           "save_streamed", "checkpoint_ema", "export_merged", "main"]
 
 
 # ----------------------------------------------------------------------------- paths and headers
@@ -596,7 +599,84 @@ def write_shards(items: Iterable[tuple[str, torch.Tensor]], out_dir: str, max_sh
     return files + [os.path.join(out_dir, INDEX)]
 
 
-def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, max_shard_gb: float = 5.0) -> list[str]:
+def save_streamed(path: str, specs: list[tuple[str, torch.dtype, tuple]], tensors: Iterable[torch.Tensor],
+                  metadata: Optional[dict] = None) -> None:
+    """Write one safetensors file a tensor at a time: memory stays at one tensor, whatever the
+    file's size (:func:`save_weights` and :func:`write_shards` hold a whole file or shard).
+
+    The format allows it: the header (names, dtypes, shapes, offsets) is known from ``specs``
+    before any data, and the data follows in that order. Written to a temporary name in the same
+    folder, fsynced, then renamed: ``path`` is complete or absent.
+
+    Args:
+        specs: ``(name, dtype, shape)`` of every tensor, in file order.
+        tensors: yields each tensor in that order (any device; checked against its spec).
+        metadata: the header's ``__metadata__`` (values become strings).
+
+    Raises:
+        CheckpointError: a tensor that does not match its spec, or too few tensors.
+    """
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    header, offset = {}, 0
+    for name, dtype, shape in specs:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {k: str(v) for k, v in (metadata or {}).items()}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            it = iter(tensors)
+            for name, dtype, shape in specs:
+                t = next(it, None)
+                if t is None:
+                    raise CheckpointError(f"writing {path}: no tensor came for {name}")
+                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise CheckpointError(f"writing {path}: tensor {name} is {t.dtype} {tuple(t.shape)}, "
+                                          f"its header says {dtype} {tuple(shape)}")
+                if t.numel():
+                    f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def checkpoint_ema(path: str, which: str = "auto") -> dict:
+    """The EMA tensors (``ema.enabled``; ddptrain/ema.py) to put over the weights ``path`` names:
+    ``which`` = ``ema``: the checkpoint's EMA (an error if it has none); ``model``: none ({});
+    ``auto``: the EMA when the checkpoint's metrics measured it (``meta.json``'s ``ema.evaluated``:
+    the weights keep-best ranked), else none.
+
+    Returns:
+        ``{state-dict key: fp32 tensor}``, memory-mapped (read when used).
+
+    Raises:
+        CheckpointError: ``which=ema`` and ``path`` is no checkpoint with an EMA; a bad ``which``.
+    """
+    if which not in ("auto", "ema", "model"):
+        raise CheckpointError(f"weights to export: {which!r} is not one of auto, ema, model")
+    folder = os.path.dirname(os.path.abspath(weights_file(path)))
+    if which == "model":
+        return {}
+    saved = all(os.path.isfile(os.path.join(folder, n)) for n in (COMPLETE, "meta.json"))  # a ddptrain checkpoint
+    meta = read_meta(folder).get("ema") if saved else None
+    if which == "auto" and not (meta and meta.get("evaluated")):
+        return {}
+    found = saved_ema(folder) if meta else {}
+    if not found:
+        raise CheckpointError(f"{path} holds no EMA weights (it was not saved with ema.enabled=true): "
+                              "export its trained weights (--weights model)")
+    return found
+
+
+def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, max_shard_gb: float = 5.0,
+                  weights: str = "auto") -> list[str]:
     """Write a checkpoint's weights with the adapters merged in, as plain safetensors shards.
 
     The result has the base model's tensor names only (Hugging Face layout: ``model.safetensors``,
@@ -609,6 +689,9 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
         out_dir: the folder to write (created).
         dtype: ``bf16`` | ``fp16`` | ``fp32`` for every floating tensor; default: as stored.
         max_shard_gb: the largest shard, in GB (1e9 bytes).
+        weights: ``auto`` | ``ema`` | ``model``: the checkpoint's EMA weights in place of its
+            trained ones (:func:`checkpoint_ema`; ``auto``: when its evaluation measured them),
+            in the dtype the checkpoint stores each tensor in.
 
     Returns:
         The files written.
@@ -619,8 +702,13 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
     file = weights_file(checkpoint)
     info = weights_info(file)
     cast = DTYPES[dtype] if dtype else None
-    with SafetensorsSource(file) as own:
-        adapter = {k: own.get(k) for k in own.keys()}  # the trainable part: small
+    with SafetensorsSource(file) as own:  # checked against the checkpoint's SHA256SUMS here, first
+        averaged = checkpoint_ema(file, weights)
+        unknown = sorted(set(averaged) - set(own.keys()))
+        if unknown:
+            raise CheckpointError(f"the EMA of {file} has tensors its weights lack: {unknown[:10]}")
+        # the trainable part (small for a trainable-only checkpoint); the EMA over the trained weights
+        adapter = {k: averaged[k].to(own.dtype(k)) if k in averaged else own.get(k) for k in own.keys()}
     scalings = info.get("lora_scalings", {})
     base = SafetensorsSource(resolve_base(info["base_model"], file)) if info.get("trainable_only") else None
 
@@ -637,7 +725,8 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
 
     try:
         return write_shards(merged(), out_dir, int(max_shard_gb * 1e9),
-                            metadata={"format": "pt", "writer": "ddptrain.weights export", "source": file})
+                            metadata={"format": "pt", "writer": "ddptrain.weights export", "source": file,
+                                      "ddptrain.weights": "ema" if averaged else "model"})
     finally:
         if base is not None:
             base.close()
@@ -653,9 +742,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("out_dir", help="output folder")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output file (GB)")
+    e.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
+                   help="ema: the checkpoint's EMA weights (ema.enabled); model: its trained weights; auto (default): "
+                        "the EMA when the checkpoint's evaluation measured it (what keep_best ranked), else the trained")
     args = p.parse_args(argv)
-    files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb)
-    print(json.dumps({"written": files}, indent=1))
+    files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb, args.weights)
+    print(json.dumps({"written": files, "weights": read_header(files[0])[1].get("ddptrain.weights")}, indent=1))
     return 0
 
 
