@@ -1,4 +1,4 @@
-"""Fine-tune VoxCPM (0.5B / 1.5) text-to-speech on one voice or dialect with ddptrain.Trainer.
+"""Fine-tune VoxCPM (0.5B / 1.5) or VoxCPM2 text-to-speech on one voice or dialect with ddptrain.Trainer.
 
     # the CPU demo: a tiny random-init VoxCPM on the shipped Lancashire-English corpus
     # (on this project's shared 2-core CPU machine: 1 min 17 s in one run, 5 min 19 s at a load average of 3-4)
@@ -10,6 +10,19 @@
         tts.path=/models/VoxCPM1.5 data.train_manifest=my/train.jsonl data.eval_manifest=my/dev.jsonl
     # the same with LoRA r=8 on q/k/v/o of both LMs and the DiT (upstream's LoRA recipe)
     torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm15_lora.yaml tts.path=...
+    # VoxCPM2 (hf download openbmb/VoxCPM2 --local-dir /models/VoxCPM2): full, or LoRA r=32 alpha=32
+    torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm2_lora.yaml \
+        tts.path=/models/VoxCPM2 data.train_manifest=my/train.jsonl
+
+VoxCPM2 is picked as upstream's training script picks it: by ``"architecture": "voxcpm2"`` in
+tts.path's config.json (random init: ``tts.preset=tiny-v2``). Then a manifest line's ``ref_audio``
+is encoded into the latent cache beside its audio and put in front of the sequence as upstream
+does (``103, reference patches, 104, text, 101, target patches, 102``; no loss on the reference);
+control / voice-design prefixes in the text (``(a calm voice)Hello``) reach the tokenizer
+unchanged. The VAE's input rate is read from the model (config.json ``audio_vae_config``): a
+data.sample_rate that disagrees with it is refused at start naming that file, and audio or
+ref_audio recorded below it is a bad line naming the audio file (higher rates are resampled, as
+for 1.5). Samples are written at the VAE's output rate (48 kHz).
 
 The model is upstream's ``voxcpm.model.voxcpm.VoxCPMModel`` (``pip install --no-deps
 voxcpm==2.0.3 einops pydantic``; see examples/models/voxcpm_tts.py), its loss its own forward's:
@@ -75,7 +88,7 @@ from models.train_flops import VoxCpmFlops  # noqa: E402
 from tts_cache import CachedUtterance, prepare, read_cache  # noqa: E402
 
 
-MODEL_ID = "openbmb/VoxCPM1.5"  # the Hugging Face model id tts.path is a download of
+MODEL_ID = "openbmb/VoxCPM1.5"  # the Hugging Face model id tts.path is a download of (or openbmb/VoxCPM2)
 # what the recipe reads from tts.path (upstream's loader would fail on the first missing one)
 MODEL_FILES = {"config.json": ("config.json",), "model.safetensors (or pytorch_model.bin)": (
     "model.safetensors", "pytorch_model.bin"), "audiovae.safetensors (or audiovae.pth)": (
@@ -85,7 +98,7 @@ MODEL_FILES = {"config.json": ("config.json",), "model.safetensors (or pytorch_m
 @dataclass
 class TTSConfig:
     path: str = ""  # VoxCPM checkpoint folder (config.json, model.safetensors, audiovae.*, tokenizer); "" = random init from preset
-    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (the published layout, ~0.8B)
+    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (the published layout, ~0.8B) | tiny-v2 (VoxCPM2's layout, CPU tests)
     vae_seed: int = 0  # random init: seed of the random VAE's weights (the latent cache records it)
     diff_weight: float = 1.0  # weight of the flow-matching loss (upstream lambdas["loss/diff"])
     stop_weight: float = 1.0  # weight of the stop loss (upstream lambdas["loss/stop"])
@@ -123,9 +136,9 @@ class RecipeConfig(ddptrain.Config):
     }
     RULES_TOGETHER: ClassVar[list] = [
         # the adapters of a random base are worthless, and the published layout's random init is slow
-        (("lora.enabled", "tts.path", "tts.preset"), lambda lora, path, preset: not lora or bool(path) or preset == "tiny",
+        (("lora.enabled", "tts.path", "tts.preset"), lambda lora, path, preset: not lora or bool(path) or preset.startswith("tiny"),
          f"LoRA adapts downloaded weights: set tts.path to a {MODEL_ID} folder ({download_command(MODEL_ID)}, then "
-         f"tts.path=/models/{MODEL_ID.split('/')[-1]}); only tts.preset=tiny (tests) trains adapters on a random init"),
+         f"tts.path=/models/{MODEL_ID.split('/')[-1]}); only tts.preset=tiny or tiny-v2 (tests) trains adapters on a random init"),
         (("data.spec_augment", "data.speed_perturb", "data.feature_device"),
          lambda augment, speeds, device: not augment and not speeds and device == "worker",
          "TTS trains on VAE latents cached before training (examples/prepare_tts.py): data.spec_augment, "
@@ -155,23 +168,59 @@ def vae_spec(cfg) -> dict:
     return {"preset": t.preset, "seed": t.vae_seed, "config": vt.PRESETS[t.preset]["audio_vae_config"]}
 
 
-def model_layout(cfg):
-    """The VoxCPMConfig of the run (from tts.path's config.json, or the preset)."""
+def architecture(cfg) -> str:
+    """``voxcpm2`` or ``voxcpm``: tts.path's config.json ``"architecture"`` (upstream's switch), or the preset's."""
     if cfg.tts.path:
         check_model_folder("tts.path", cfg.tts.path, MODEL_FILES, MODEL_ID)
+        return vt.folder_architecture(cfg.tts.path)
+    return vt.preset_architecture(cfg.tts.preset)
+
+
+def model_layout(cfg):
+    """The VoxCPMConfig of the run (from tts.path's config.json, or the preset); for VoxCPM2 the
+    VAE's input rate checked against data.sample_rate."""
+    arch = architecture(cfg)
+    if cfg.tts.path:
         with open(os.path.join(cfg.tts.path, "config.json"), encoding="utf-8") as f:
-            return vt.import_voxcpm().VoxCPMConfig.model_validate_json(f.read())
-    return vt.preset_config(cfg.tts.preset, 0, compute_dtype(cfg))
+            layout = vt.model_module(arch).VoxCPMConfig.model_validate_json(f.read())
+    else:
+        layout = vt.preset_config(cfg.tts.preset, 0, compute_dtype(cfg))
+    if arch == "voxcpm2":
+        check_sample_rate(cfg, layout)
+    return layout
+
+
+def vae_input_rate(layout) -> int:
+    """The VAE's input rate as the model reads it (config.json's audio_vae_config, or upstream's default)."""
+    vae_cfg = layout.audio_vae_config or vt.model_module("voxcpm2").AudioVAEConfigV2()
+    return int(vae_cfg.sample_rate)
+
+
+def check_sample_rate(cfg, layout) -> None:
+    """Refuse a data.sample_rate that disagrees with the VAE's input rate (upstream's users get garbage
+    from exactly this), naming the model's config file.
+
+    Raises:
+        ddptrain.ConfigError: the two rates differ.
+    """
+    rate = vae_input_rate(layout)
+    if cfg.data.sample_rate != rate:
+        where = os.path.join(cfg.tts.path, "config.json") if cfg.tts.path else f"tts.preset={cfg.tts.preset}"
+        raise ddptrain.ConfigError(
+            f"data.sample_rate={cfg.data.sample_rate} disagrees with the VAE's input rate {rate} Hz ({where}: "
+            f"audio_vae_config.sample_rate); the audio is encoded at the VAE's rate, so set data.sample_rate={rate}")
 
 
 def random_vae(cfg):
     torch.manual_seed(cfg.tts.vae_seed)
-    return vt.vae_from_config(model_layout(cfg).audio_vae_config).float().eval().requires_grad_(False)
+    vae = vt.vae_from_config(model_layout(cfg).audio_vae_config, architecture(cfg))
+    return vae.float().eval().requires_grad_(False)
 
 
 def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device] = None) -> dict:
     """Bring ``manifest``'s latent cache up to date for this run's VAE (a no-op when current)."""
-    patch = model_layout(cfg).patch_size
+    layout = model_layout(cfg)
+    patch, v2 = layout.patch_size, architecture(cfg) == "voxcpm2"
 
     def get_vae():
         v = vae
@@ -184,7 +233,8 @@ def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device
 
     threads = torch.get_num_threads()
     try:
-        return prepare(manifest, vae_spec(cfg), patch, get_vae, cfg.data.bad_data, fields=cfg.data.fields)
+        return prepare(manifest, vae_spec(cfg), patch, get_vae, cfg.data.bad_data, fields=cfg.data.fields,
+                       encode_ref=v2, min_sample_rate=vae_input_rate(layout) if v2 else 0)
     finally:
         torch.set_num_threads(threads)
 
@@ -196,8 +246,14 @@ def config_manifests(cfg) -> list[str]:
 # ---------------------------------------------------------------------------------- batches
 
 
+def read_latent_cache(cfg, manifest: str, patch_size: int) -> list[CachedUtterance]:
+    """``manifest``'s cached utterances for this run (with their ref_audio latents for VoxCPM2)."""
+    return read_cache(manifest, vae_spec(cfg), patch_size, encode_ref=architecture(cfg) == "voxcpm2")
+
+
 class LatentDataset(Dataset):
-    """Cached utterances -> ``{"id", "text_ids", "latents"}`` (latents read from their .npy)."""
+    """Cached utterances -> ``{"id", "text_ids", "latents", "ref_latents"}`` (read from their .npy;
+    ``ref_latents`` None without a cached ref_audio)."""
 
     def __init__(self, utts: Sequence[CachedUtterance], text_ids: Sequence[list[int]]):
         self.utts, self.text_ids = list(utts), list(text_ids)
@@ -209,9 +265,11 @@ class LatentDataset(Dataset):
         u = self.utts[i]
         try:
             z = np.load(u.latent_path)
+            r = np.load(u.ref_latent_path) if u.ref_latent_path else None
         except (OSError, ValueError) as e:
             raise DataError(f"{u.source}:{u.line} (id {u.id}): cannot read latent file {u.latent_path}: {e}") from None
-        return {"id": u.id, "text_ids": self.text_ids[i], "latents": torch.from_numpy(z)}
+        return {"id": u.id, "text_ids": self.text_ids[i], "latents": torch.from_numpy(z),
+                "ref_latents": None if r is None else torch.from_numpy(r)}
 
 
 class TTSCollator:
@@ -230,7 +288,7 @@ class TTSCollator:
         batch: dict = {"ids": [e["id"] for e in examples]}
         if not examples:
             return batch  # an evaluation filler: the Trainer skips it
-        seqs = [vt.pack_utterance(e["text_ids"], e["latents"], self.patch) for e in examples]
+        seqs = [vt.pack_utterance(e["text_ids"], e["latents"], self.patch, e.get("ref_latents")) for e in examples]
         s = -(-max(len(q["labels"]) for q in seqs) // self.multiple) * self.multiple
         for key in ("text_tokens", "text_mask", "audio_mask", "loss_mask", "labels"):
             out = torch.zeros(len(seqs), s, dtype=torch.int32)
@@ -262,13 +320,17 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     rate = vt.frame_rate(layout.audio_vae_config)
     source = utts[0].source if utts else "(no manifest)"
     # the library's budget check, the seconds counted as the sampler counts them
-    problems = budget_problems(utts, [u.frames / rate for u in utts], data, cost_unit="of latent audio")
+    # a reference recording's latents are sequence positions too: counted in the batch budget
+    problems = budget_problems(utts, [(u.frames + u.ref_frames) / rate for u in utts], data,
+                               cost_unit="of latent audio")
     ids = {}
     for u in utts:
         x = ids[u.id] = tokenizer(u.text)
-        n = len(x) + u.frames // layout.patch_size + 2
+        n = len(x) + u.frames // layout.patch_size + 2 + (u.ref_frames // layout.patch_size + 2 if u.ref_latent_path
+                                                          else 0)
         if n > layout.max_length:
-            problems.append(Problem(u.source, u.line, u.id, f"{n} positions (text + latent patches + 2) exceed the "
+            problems.append(Problem(u.source, u.line, u.id, f"{n} positions (text + latent patches [+ ref_audio "
+                                    "patches] + 2 [+ 2]) exceed the "
                                     f"model's max_length {layout.max_length}"))
         if 0 < t.max_text_tokens < len(x):
             problems.append(Problem(u.source, u.line, u.id, f"too long: {len(x)} text tokens do not fit in a batch of "
@@ -279,7 +341,7 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     keep = keep_good(utts, problems, data.bad_data, source, f"{source}: {{summary}} for this model and batch "
                      "budget (data.bad_data=skip leaves them out):", print if rank == 0 else None)
     ids = [ids[u.id] for u in keep]
-    sampler = DurationBucketSampler.from_config(np.array([u.frames / rate for u in keep]), data, train,
+    sampler = DurationBucketSampler.from_config(np.array([(u.frames + u.ref_frames) / rate for u in keep]), data, train,
                                                 tokens=np.array([len(x) for x in ids], dtype=np.float64),
                                                 max_tokens=t.max_text_tokens, world_size=world_size, rank=rank)
     return make_loader(LatentDataset(keep, ids), sampler, TTSCollator(layout.patch_size, data.pad_to_multiple), data,
@@ -328,7 +390,7 @@ class SampleWriter:
 
     def __init__(self, vae, tokenizer, utts: Sequence[CachedUtterance], cfg, patch_size: int):
         self.vae, self.tok, self.utts, self.cfg, self.patch = vae, tokenizer, list(utts), cfg, patch_size
-        self.sample_rate = int(vae.sample_rate)
+        self.sample_rate = vt.output_rate(vae)  # VoxCPM2 decodes at 48 kHz
         self._logged_references = False
 
     def __call__(self, module, step: int, logger) -> list[str]:
@@ -390,13 +452,14 @@ class Built:
 def build_model(cfg, info) -> Built:
     """The model (VAE removed), the VAE and the tokenizer for ``cfg``."""
     device = str(info.device)
+    model_layout(cfg)  # the folder's files, and VoxCPM2's VAE rate against data.sample_rate, before any loading
     if cfg.tts.path:
-        check_model_folder("tts.path", cfg.tts.path, MODEL_FILES, MODEL_ID)
         model, vae, hf_tok = vt.load_pretrained(cfg.tts.path, device, compute_dtype(cfg))
     else:
         vae, hf_tok = random_vae(cfg), vt.char_tokenizer()
         torch.manual_seed(cfg.trainer.seed)  # the same initial weights on every rank and every run
-        model = vt.build_model(vt.preset_config(cfg.tts.preset, len(hf_tok), compute_dtype(cfg)), hf_tok, vae, device)
+        model = vt.build_model(vt.preset_config(cfg.tts.preset, len(hf_tok), compute_dtype(cfg)), hf_tok, vae, device,
+                               architecture(cfg))
     return Built(model, vae, vt.TextTokenizer(hf_tok), model.config)
 
 
@@ -408,10 +471,10 @@ def build(cfg, info) -> tuple:
         for m in config_manifests(cfg):
             prepare_manifest(cfg, m, b.vae, info.device)
     ddptrain.dist.barrier()  # the other ranks read the caches rank 0 just wrote
-    spec, patch = vae_spec(cfg), b.layout.patch_size
-    train = build_loader(read_cache(cfg.data.train_manifest, spec, patch), cfg, b.tokenizer, b.layout, True,
+    patch = b.layout.patch_size
+    train = build_loader(read_latent_cache(cfg, cfg.data.train_manifest, patch), cfg, b.tokenizer, b.layout, True,
                          info.world_size, info.rank)
-    eval_utts = read_cache(cfg.data.eval_manifest, spec, patch) if cfg.data.eval_manifest else []
+    eval_utts = read_latent_cache(cfg, cfg.data.eval_manifest, patch) if cfg.data.eval_manifest else []
     evals = (build_loader(eval_utts, cfg, b.tokenizer, b.layout, False, info.world_size, info.rank)
              if eval_utts else None)
     return b, TTSObjective(cfg.tts.diff_weight, cfg.tts.stop_weight), train, evals, eval_utts
@@ -434,15 +497,15 @@ def main(argv: list[str]) -> dict:
     if info.is_main:
         n = sum(p.numel() for p in b.model.parameters())
         k = sum(p.numel() for p in b.model.parameters() if p.requires_grad)
-        print(f"VoxCPM: {n:,} parameters ({k:,} trained{', LoRA' if trainer.adapted else ''}), VAE apart "
+        print(f"{'VoxCPM2' if architecture(cfg) == 'voxcpm2' else 'VoxCPM'}: {n:,} parameters ({k:,} trained{', LoRA' if trainer.adapted else ''}), VAE apart "
               f"({sum(p.numel() for p in b.vae.parameters()):,}); {len(train)} batches/epoch/rank on "
               f"{info.world_size} process(es), device {trainer.device}; recomputed {len(trainer.recomputed)}, "
               f"compiled {len(trainer.compiled)} modules")
     start = time.time()
     summary = {"eval": trainer.fit()}
     summary["train_seconds"] = round(time.time() - start, 1)
-    spec, patch = vae_spec(cfg), b.layout.patch_size
-    summary["test"] = {m: trainer.evaluate(build_loader(read_cache(m, spec, patch), cfg, b.tokenizer, b.layout, False,
+    patch = b.layout.patch_size
+    summary["test"] = {m: trainer.evaluate(build_loader(read_latent_cache(cfg, m, patch), cfg, b.tokenizer, b.layout, False,
                                                         info.world_size, info.rank), prefix="test", name=m)
                        for m in cfg.tts.test_manifests}
     trainer.close()  # after the test-set evaluations: they are logged too

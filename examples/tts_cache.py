@@ -9,7 +9,14 @@ trained module never holds it. For ``DIR/NAME.jsonl`` the cache is the folder ``
 * ``index.jsonl``: one line per utterance: id, text, manifest line, the audio file's size and
   modification time, latent frames and the latent file; upstream VoxCPM's ``ref_audio`` and
   ``dataset_id`` when the line has them (passed through to :class:`CachedUtterance`);
-* ``<hash of the id>.npy``: ``(frames, latent_dim)`` float32.
+* ``<hash of the id>.npy``: ``(frames, latent_dim)`` float32;
+* for VoxCPM2 (``encode_ref``), each line's ``ref_audio`` encoded the same way into its own
+  ``.npy`` (the index's ``ref_latent``, ``ref_frames`` and ``ref_audio_key``), so the reference
+  conditioning costs no VAE pass in training either.
+
+With ``min_sample_rate`` (VoxCPM2: the VAE's input rate, read from the model), an audio or
+ref_audio file recorded at a lower rate is a bad line naming the file: upsampled audio has no top
+band and the model learns to speak muffled. Higher rates are resampled to the VAE's, as for 1.5.
 
 Rerunning :func:`prepare` is a no-op when nothing changed (no file is written, the VAE is not even
 loaded); utterances whose audio changed, or that are new, are encoded; a different VAE or patch
@@ -48,6 +55,8 @@ class CachedUtterance:
     line: int  # its 1-based line
     ref_audio: Optional[str] = None  # the line's reference recording (absolute path), upstream VoxCPM2's ref_audio
     dataset_id: Union[int, str, None] = None  # the line's dataset_id, as upstream VoxCPM's JSONL gives it
+    ref_latent_path: Optional[str] = None  # ref_audio's latents (absolute), when the cache encodes references
+    ref_frames: int = 0  # their latent frames
 
 
 def cache_dir(manifest: str) -> str:
@@ -58,6 +67,28 @@ def cache_dir(manifest: str) -> str:
 
 def _latent_name(utt_id: str) -> str:
     return hashlib.blake2b(utt_id.encode(), digest_size=10).hexdigest() + ".npy"
+
+
+def _file_key(path: str) -> list:
+    st = os.stat(path) if os.path.exists(path) else None
+    return [path, st.st_size if st else None, st.st_mtime_ns if st else None]
+
+
+def _rate_problem(path: str, min_rate: int, what: str) -> Optional[str]:
+    """Why ``path`` (read from its header) is recorded below ``min_rate``, or None."""
+    if not min_rate or not os.path.isfile(path):
+        return None  # a missing file is reported by the load that follows
+    import soundfile as sf
+
+    try:
+        rate = sf.info(path).samplerate
+    except (RuntimeError, OSError):
+        return None  # unreadable: reported by the load that follows
+    if rate >= min_rate:
+        return None
+    return (f"{what} {path} is recorded at {rate} Hz, below the VAE's input rate of {min_rate} Hz (the model's "
+            f"config.json audio_vae_config.sample_rate): upsampled audio has no top band and the model learns to "
+            f"speak muffled; use recordings at {min_rate} Hz or more, or leave this line out")
 
 
 def _audio_key(entry) -> list:
@@ -106,7 +137,7 @@ def _passed(entry) -> dict:
 
 def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[], tuple],
             bad_data: str = "error", log: Callable[[str], None] = print,
-            fields: Optional[Mapping[str, str]] = None) -> dict:
+            fields: Optional[Mapping[str, str]] = None, encode_ref: bool = False, min_sample_rate: int = 0) -> dict:
     """Bring ``manifest``'s latent cache up to date.
 
     Args:
@@ -120,6 +151,8 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
         bad_data: ``error``: raise naming every unreadable utterance; ``skip``: leave them out.
         log: where the one-line summary goes.
         fields: ``data.fields`` (manifest keys of other names).
+        encode_ref: also encode each line's ``ref_audio`` (VoxCPM2's reference conditioning).
+        min_sample_rate: refuse audio recorded below this rate, naming the file (0: no check).
 
     Returns:
         ``{"dir", "encoded", "reused", "skipped", "written"}`` (``written``: whether any file changed).
@@ -134,20 +167,28 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     # ids are named by file:line, and under bad_data=error stop the run before any encoding
     entries, problems = read_entries(manifest, fields)
     usable = finish_report(entries, problems, bad_data).entries
-    meta = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
+    meta = _meta(vae_spec, patch_size, encode_ref)
     old_meta = _read_json(os.path.join(folder, "meta.json"))
     old = _read_index(os.path.join(folder, "index.jsonl")) if old_meta == meta else {}
     rows, todo, unreadable = [], [], []
     for e in usable:
         key, prev = _audio_key(e), old.get(e.id)
-        if prev is not None and prev.get("audio") == key and os.path.isfile(os.path.join(folder, prev["latent"])):
+        ref_key = _file_key(e.ref_audio) if encode_ref and e.ref_audio else None
+        if (prev is not None and prev.get("audio") == key and os.path.isfile(os.path.join(folder, prev["latent"]))
+                and prev.get("ref_audio_key") == ref_key
+                and (ref_key is None or os.path.isfile(os.path.join(folder, prev["ref_latent"])))):
             kept = {k: v for k, v in prev.items() if k not in PASSED}  # a line may have dropped its ref_audio
             rows.append({**kept, "text": e.text, "line": e.line, **_passed(e)})
         else:
             rows.append(None)
-            todo.append((len(rows) - 1, e, key))
+            todo.append((len(rows) - 1, e, key, ref_key))
     vae = encode = None
-    for slot, e, key in todo:
+    for slot, e, key, ref_key in todo:
+        rate_problem = _rate_problem(e.audio_filepath, min_sample_rate, "audio") or (
+            _rate_problem(e.ref_audio, min_sample_rate, "ref_audio") if ref_key else None)
+        if rate_problem:
+            unreadable.append(Problem(e.source, e.line, e.id, rate_problem))
+            continue
         if vae is None:
             vae, encode = get_vae()
             os.makedirs(folder, exist_ok=True)
@@ -159,11 +200,22 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
                 reason = f"missing audio file: {e.audio_filepath}"
             unreadable.append(Problem(e.source, e.line, e.id, reason))
             continue
+        ref = {}
+        if ref_key:
+            try:
+                ref_wave = load_audio(e.ref_audio, int(vae.sample_rate))
+            except AudioError as err:
+                unreadable.append(Problem(e.source, e.line, e.id, f"unreadable ref_audio: {err}"))
+                continue
+            zr = np.ascontiguousarray(encode(vae, ref_wave).numpy().astype(np.float32))
+            ref_name = _latent_name(e.id + "\0ref_audio")
+            _write_atomic(os.path.join(folder, ref_name), lambda f: np.save(f, zr))
+            ref = {"ref_audio_key": ref_key, "ref_latent": ref_name, "ref_frames": int(zr.shape[0])}
         z = np.ascontiguousarray(encode(vae, wave).numpy().astype(np.float32))
         name = _latent_name(e.id)
         _write_atomic(os.path.join(folder, name), lambda f: np.save(f, z))
         rows[slot] = {"id": e.id, "text": e.text, "line": e.line, "audio": key, "latent": name, "frames": int(z.shape[0]),
-                      **_passed(e)}
+                      **ref, **_passed(e)}
     report = finish_report(entries, problems + unreadable, bad_data)  # error: every bad line, in manifest order
     for p in report.problems:
         log(f"skipped: {p}")
@@ -186,7 +238,14 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     return summary
 
 
-def read_cache(manifest: str, vae_spec: dict, patch_size: int) -> list[CachedUtterance]:
+def _meta(vae_spec: dict, patch_size: int, encode_ref: bool) -> dict:
+    meta = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
+    if encode_ref:  # a 1.5 cache keeps the meta it always had
+        meta["ref_audio"] = "encoded"
+    return meta
+
+
+def read_cache(manifest: str, vae_spec: dict, patch_size: int, encode_ref: bool = False) -> list[CachedUtterance]:
     """The cached utterances of ``manifest`` (after :func:`prepare`).
 
     Raises:
@@ -194,7 +253,7 @@ def read_cache(manifest: str, vae_spec: dict, patch_size: int) -> list[CachedUtt
     """
     folder = cache_dir(manifest)
     meta = _read_json(os.path.join(folder, "meta.json"))
-    want = {"format": CACHE_FORMAT, "vae": vae_spec, "patch_size": int(patch_size)}
+    want = _meta(vae_spec, patch_size, encode_ref)
     hint = f"run: python examples/prepare_tts.py --config CONFIG {manifest}"
     if meta is None:
         raise DataError(f"{manifest}: no latent cache in {folder} ({hint})")
@@ -206,6 +265,11 @@ def read_cache(manifest: str, vae_spec: dict, patch_size: int) -> list[CachedUtt
         path = os.path.join(folder, row["latent"])
         if not os.path.isfile(path):
             raise DataError(f"{manifest}:{row['line']} (id {row['id']}): latent file {path} is missing; {hint}")
+        ref_path = os.path.abspath(os.path.join(folder, row["ref_latent"])) if row.get("ref_latent") else None
+        if ref_path and not os.path.isfile(ref_path):
+            raise DataError(f"{manifest}:{row['line']} (id {row['id']}): ref_audio latent file {ref_path} is missing; "
+                            f"{hint}")
         out.append(CachedUtterance(row["id"], row["text"], os.path.abspath(path), int(row["frames"]),
-                                   manifest, int(row["line"]), row.get("ref_audio"), row.get("dataset_id")))
+                                   manifest, int(row["line"]), row.get("ref_audio"), row.get("dataset_id"),
+                                   ref_path, int(row.get("ref_frames", 0))))
     return out

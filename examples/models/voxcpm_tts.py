@@ -1,6 +1,7 @@
-"""VoxCPM (0.5B / 1.5) for training with ddptrain: the upstream model, its VAE kept apart.
+"""VoxCPM (0.5B / 1.5) and VoxCPM2 for training with ddptrain: the upstream model, its VAE kept apart.
 
-The model is upstream's own ``voxcpm.model.voxcpm.VoxCPMModel`` (PyPI ``voxcpm``), unchanged:
+The model is upstream's own ``voxcpm.model.voxcpm.VoxCPMModel`` (or, for VoxCPM2,
+``voxcpm.model.voxcpm2.VoxCPM2Model`` with its 16 kHz-in / 48 kHz-out ``AudioVAEV2``), unchanged:
 its forward computes the flow-matching ("diff") and stop losses exactly as OpenBMB's fine-tuning
 script trains them. What this file adds:
 
@@ -18,8 +19,13 @@ script trains them. What this file adds:
   (a missing or unexpected tensor is an error) and with the VAE returned apart: the VAE is
   frozen and only encodes audio once (examples/prepare_tts.py) and decodes samples, so it never
   sits in the trained module, its optimizer state or its gradient all-reduce.
+* :func:`import_voxcpm2`: the VoxCPM2 module (see there for its one missing import).
+* The architecture of a folder is upstream's own switch: config.json's ``"architecture"``
+  (``voxcpm2``; absent = VoxCPM/1.5), as upstream's training script reads it; a random init takes
+  its preset's (``tiny-v2``: a few hundred thousand parameters of VoxCPM2's layout, for CPU tests).
 * :func:`pack_utterance`: one utterance's training sequence from cached latents, laid out as
-  upstream's ``AudioFeatureProcessingPacker.process_tts_data`` lays it out from audio.
+  upstream's ``AudioFeatureProcessingPacker.process_tts_data`` lays it out from audio (and, with a
+  reference recording's latents, as ``process_tts_data_with_ref``: VoxCPM2's ``ref_audio``).
 * :func:`synthesize`: text -> latents (upstream's ``_inference``) -> waveform through the VAE.
 """
 
@@ -32,12 +38,15 @@ import json
 import math
 import os
 import sys
+import types
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 AUDIO_START, AUDIO_END = 101, 102  # upstream's token ids around the audio of a TTS sequence
+REF_START, REF_END = 103, 104  # VoxCPM2's token ids around a reference recording (ref_audio)
+ARCHITECTURES = ("voxcpm", "voxcpm2")  # config.json's "architecture", as upstream's training script reads it
 RESERVED_IDS = 128  # the character tokenizer keeps ids below this free for such special tokens
 
 
@@ -67,6 +76,64 @@ def import_voxcpm():
             parent, _, child = name.rpartition(".")
             setattr(sys.modules[parent], child, sys.modules[name])
     return importlib.import_module("voxcpm.model.voxcpm")
+
+
+class _NoLibrosa(types.ModuleType):
+    """Stands in for librosa while ``voxcpm.model.voxcpm2`` is imported, and fails loudly if used."""
+
+    def __getattr__(self, name):
+        raise ImportError(f"librosa.{name}: VoxCPM2's own audio loading (VoxCPM2Model._encode_wav, its reference-"
+                          "wav inference) needs librosa, which this recipe does not install (it reads audio with "
+                          "ddptrain.data.load_audio); pip install librosa to use those upstream methods")
+
+
+def import_voxcpm2():
+    """``voxcpm.model.voxcpm2`` (VoxCPM2Model, its configs, AudioVAEV2), without the app's ``__init__`` files.
+
+    The module imports librosa at its top for its own inference-time audio loading, which training
+    never calls; when librosa is not installed, a placeholder that raises ImportError (naming the
+    upstream method and ``pip install librosa``) on any use is put in its place for the import only.
+
+    Raises:
+        ImportError: voxcpm (or a dependency of the model itself) is not installed.
+    """
+    if "voxcpm.model.voxcpm2" in sys.modules:
+        return sys.modules["voxcpm.model.voxcpm2"]
+    import_voxcpm()
+    placeholder = importlib.util.find_spec("librosa") is None and "librosa" not in sys.modules
+    if placeholder:
+        sys.modules["librosa"] = _NoLibrosa("librosa")
+    try:
+        return importlib.import_module("voxcpm.model.voxcpm2")
+    finally:
+        if placeholder:  # only voxcpm2's own name points at it; `import librosa` elsewhere still fails normally
+            del sys.modules["librosa"]
+
+
+def model_module(architecture: str):
+    """The upstream module of ``architecture``: its ``VoxCPMConfig``, model class and VAE."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown VoxCPM architecture {architecture!r} (known: {', '.join(ARCHITECTURES)})")
+    return import_voxcpm2() if architecture == "voxcpm2" else import_voxcpm()
+
+
+def model_class(architecture: str):
+    m = model_module(architecture)
+    return m.VoxCPM2Model if architecture == "voxcpm2" else m.VoxCPMModel
+
+
+def folder_architecture(path: str) -> str:
+    """config.json's ``"architecture"`` of a checkpoint folder (``voxcpm`` when absent, as upstream reads it).
+
+    Raises:
+        ValueError: an architecture this recipe does not know (the file named).
+    """
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file, encoding="utf-8") as f:
+        arch = str(json.load(f).get("architecture", "voxcpm")).lower()
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{cfg_file}: architecture {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    return arch
 
 
 def upstream_packer_class():
@@ -116,7 +183,26 @@ PRESETS = {
                              "sample_rate": 16000},
         "max_length": 512,
     },
+    # CPU tests: VoxCPM2's layout in miniature: a 16 kHz-in / 48 kHz-out AudioVAEV2 (hop 640 in,
+    # 1920 out: 25 latent frames/s), patch 2
+    "tiny-v2": {
+        "architecture": "voxcpm2",
+        "lm_config": _lm(64, 128, 4, 2, 2, 0, 1024), "patch_size": 2, "feat_dim": 16,
+        "residual_lm_num_layers": 1, "scalar_quantization_latent_dim": 16, "scalar_quantization_scale": 9,
+        "encoder_config": {"hidden_dim": 64, "ffn_dim": 128, "num_heads": 4, "num_layers": 1},
+        "dit_config": {"hidden_dim": 64, "ffn_dim": 128, "num_heads": 4, "num_layers": 2,
+                       "cfm_config": {"sigma_min": 1e-6, "solver": "euler", "t_scheduler": "log-norm",
+                                      "training_cfg_rate": 0.1, "inference_cfg_rate": 2.0}},
+        "audio_vae_config": {"encoder_dim": 8, "encoder_rates": [2, 5, 8, 8], "latent_dim": 16,
+                             "decoder_dim": 64, "decoder_rates": [8, 6, 5, 2, 2, 2], "depthwise": True,
+                             "sample_rate": 16000, "out_sample_rate": 48000, "cond_dim": 16},
+        "max_length": 512,
+    },
 }
+
+
+def preset_architecture(preset: str) -> str:
+    return PRESETS[preset].get("architecture", "voxcpm")
 
 
 def preset_config(preset: str, vocab_size: int, dtype: str = "float32"):
@@ -129,17 +215,18 @@ def preset_config(preset: str, vocab_size: int, dtype: str = "float32"):
     if preset not in PRESETS:
         raise ValueError(f"unknown VoxCPM preset {preset!r} (known: {', '.join(PRESETS)})")
     raw = copy.deepcopy(PRESETS[preset])
+    arch = raw.pop("architecture", "voxcpm")
     raw["lm_config"]["vocab_size"] = max(raw["lm_config"]["vocab_size"], int(vocab_size))
     raw["dtype"] = dtype
-    return import_voxcpm().VoxCPMConfig.model_validate(raw)
+    return model_module(arch).VoxCPMConfig.model_validate(raw)
 
 
-def vae_from_config(vae_config) -> torch.nn.Module:
-    """A random-initialised ``AudioVAE`` (weights set by the caller's torch seed)."""
-    import_voxcpm()
-    from voxcpm.modules.audiovae import AudioVAE
+def vae_from_config(vae_config, architecture: str = "voxcpm") -> torch.nn.Module:
+    """A random-initialised ``AudioVAE`` (``AudioVAEV2`` for VoxCPM2; weights set by the caller's torch seed)."""
+    model_module(architecture)
+    from voxcpm.modules.audiovae import AudioVAE, AudioVAEV2
 
-    return AudioVAE(config=vae_config)
+    return (AudioVAEV2 if architecture == "voxcpm2" else AudioVAE)(config=vae_config)
 
 
 def char_tokenizer():
@@ -181,21 +268,23 @@ class TextTokenizer:
 # ---------------------------------------------------------------------------------- model + VAE
 
 
-def build_model(config, hf_tokenizer, vae: torch.nn.Module, device: str) -> torch.nn.Module:
-    """Upstream's ``VoxCPMModel`` for ``config``, with its VAE taken out again.
+def build_model(config, hf_tokenizer, vae: torch.nn.Module, device: str, architecture: str = "voxcpm"
+                ) -> torch.nn.Module:
+    """Upstream's ``VoxCPMModel`` (``VoxCPM2Model`` for ``voxcpm2``) for ``config``, with its VAE taken out again.
 
     The constructor needs a VAE (it reads its chunk size and sample rate) and makes the
     generation KV caches on ``device``; the VAE is then deleted from the module, as upstream's
     training script does before DDP, so it is neither trained nor saved nor all-reduced.
     """
-    vox = import_voxcpm()
-    model = vox.VoxCPMModel(config, hf_tokenizer, vae, None, device=str(device))
+    model = model_class(architecture)(config, hf_tokenizer, vae, None, device=str(device))
     del model.audio_vae
+    model.architecture = architecture  # save_pretrained writes it back into config.json
     return model
 
 
 def load_pretrained(path: str, device: str, dtype: str) -> tuple:
-    """``(model, vae, hf_tokenizer)`` from a VoxCPM checkpoint folder (e.g. VoxCPM1.5).
+    """``(model, vae, hf_tokenizer)`` from a VoxCPM checkpoint folder (e.g. VoxCPM1.5 or VoxCPM2;
+    config.json's ``"architecture"`` picks the model class and VAE, as upstream's script does).
 
     Args:
         path: folder with config.json, model.safetensors (or pytorch_model.bin),
@@ -211,11 +300,12 @@ def load_pretrained(path: str, device: str, dtype: str) -> tuple:
     from safetensors.torch import load_file
     from transformers import LlamaTokenizerFast
 
-    vox = import_voxcpm()
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"{path}: no config.json (a VoxCPM checkpoint folder has config.json, "
                                 "model.safetensors, audiovae.safetensors/.pth and tokenizer files)")
+    arch = folder_architecture(path)
+    vox = model_module(arch)
     with open(cfg_file, encoding="utf-8") as f:
         config = vox.VoxCPMConfig.model_validate_json(f.read())
     config.dtype = dtype
@@ -232,10 +322,10 @@ def load_pretrained(path: str, device: str, dtype: str) -> tuple:
             return obj.get("state_dict", obj)
         raise FileNotFoundError(f"{path}: neither {os.path.basename(st)} nor {os.path.basename(pt)}")
 
-    vae = vae_from_config(config.audio_vae_config) if config.audio_vae_config else vae_from_config(None)
+    vae = vae_from_config(config.audio_vae_config or None, arch)
     vae.load_state_dict(tensors("audiovae"), strict=True)
     hf_tok = LlamaTokenizerFast.from_pretrained(path, local_files_only=True)
-    model = build_model(config, hf_tok, vae, device)
+    model = build_model(config, hf_tok, vae, device, arch)
     state = {k: v for k, v in tensors("model").items() if not k.startswith("audio_vae.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -250,7 +340,11 @@ def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
 
     os.makedirs(path, exist_ok=True)
     raw = model.config.model_dump(exclude_none=True)  # upstream's `kv_channels: int = None` refuses an explicit null
-    raw["audio_vae_config"] = vae_config_dict(vae)
+    arch = getattr(model, "architecture", "voxcpm")
+    if arch == "voxcpm2":  # upstream's marker, which its script and this recipe read to pick VoxCPM2Model
+        raw["architecture"] = arch
+    else:
+        raw["audio_vae_config"] = vae_config_dict(vae)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=1)
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
@@ -264,6 +358,11 @@ def vae_config_dict(vae) -> dict:
     return {"encoder_dim": vae.encoder_dim, "encoder_rates": list(vae.encoder_rates), "latent_dim": vae.latent_dim,
             "decoder_dim": vae.decoder_dim, "decoder_rates": list(vae.decoder_rates), "depthwise": vae.depthwise,
             "sample_rate": int(vae.sample_rate), "use_noise_block": vae.use_noise_block}
+
+
+def output_rate(vae) -> int:
+    """The rate of the VAE's decoded audio (VoxCPM2's 48 kHz; VoxCPM's is its input rate)."""
+    return int(getattr(vae, "out_sample_rate", vae.sample_rate))
 
 
 def frame_rate(vae_config) -> float:
@@ -286,24 +385,32 @@ def encode_latents(vae, wave: torch.Tensor, patch_size: int) -> torch.Tensor:
     return z[0].transpose(0, 1).float().cpu()
 
 
-def pack_utterance(text_ids: Sequence[int], latents: torch.Tensor, patch_size: int) -> dict:
+def pack_utterance(text_ids: Sequence[int], latents: torch.Tensor, patch_size: int,
+                   ref_latents: Optional[torch.Tensor] = None) -> dict:
     """One TTS training sequence, upstream's layout (``process_tts_data``, no reference audio):
 
     ``text ids, 101, one position per latent patch, 102``; audio features at the patch
-    positions; the loss on the patch positions; the stop label 1 on the last patch.
+    positions; the loss on the patch positions; the stop label 1 on the last patch. With
+    ``ref_latents`` (VoxCPM2's ``ref_audio``) upstream's ``process_tts_data_with_ref`` layout:
+    ``103, one position per reference patch, 104`` in front, its features in, no loss on it.
 
     Args:
         text_ids: the text's token ids.
         latents: ``(frames, D)``, frames a multiple of ``patch_size``.
         patch_size: latent frames per LM position.
+        ref_latents: ``(ref frames, D)`` of the reference recording, or None.
 
     Returns:
-        Tensors of length S = len(text_ids) + patches + 2: ``text_tokens``, ``text_mask``,
-        ``audio_mask``, ``loss_mask``, ``labels`` (int32) and ``audio_feats`` (S, P, D).
+        Tensors of length S = [ref patches + 2 +] len(text_ids) + patches + 2: ``text_tokens``,
+        ``text_mask``, ``audio_mask``, ``loss_mask``, ``labels`` (int32) and ``audio_feats`` (S, P, D).
     """
     frames, dim = latents.shape
     if frames % patch_size:
         raise ValueError(f"{frames} latent frames are not whole patches of {patch_size}")
+    if ref_latents is not None:
+        ref = pack_reference(ref_latents, patch_size)
+        seq = pack_utterance(text_ids, latents, patch_size)
+        return {k: torch.cat([ref[k], seq[k]]) for k in seq}
     a, t = frames // patch_size, len(text_ids) + 1
     s = t + a + 1
     text = torch.zeros(s, dtype=torch.int32)
@@ -320,6 +427,23 @@ def pack_utterance(text_ids: Sequence[int], latents: torch.Tensor, patch_size: i
             "labels": labels, "audio_feats": feats}
 
 
+def pack_reference(ref_latents: torch.Tensor, patch_size: int) -> dict:
+    """The ``103, reference patches, 104`` prefix of a VoxCPM2 sequence (no loss, no stop label)."""
+    frames, dim = ref_latents.shape
+    if frames % patch_size:
+        raise ValueError(f"{frames} reference latent frames are not whole patches of {patch_size}")
+    r = frames // patch_size
+    text = torch.zeros(r + 2, dtype=torch.int32)
+    text[0], text[-1] = REF_START, REF_END
+    audio = torch.zeros(r + 2, dtype=torch.int32)
+    audio[1:-1] = 1
+    feats = torch.zeros(r + 2, patch_size, dim, dtype=torch.float32)
+    feats[1:-1] = ref_latents.float().reshape(r, patch_size, dim)
+    zeros = torch.zeros(r + 2, dtype=torch.int32)
+    return {"text_tokens": text, "text_mask": 1 - audio, "audio_mask": audio, "loss_mask": zeros,
+            "labels": zeros.clone(), "audio_feats": feats}
+
+
 @torch.no_grad()
 def synthesize(model, vae, text_ids: Sequence[int], max_patches: int, timesteps: int = 10, cfg_value: float = 2.0,
                seed: int = 0) -> torch.Tensor:
@@ -330,7 +454,7 @@ def synthesize(model, vae, text_ids: Sequence[int], max_patches: int, timesteps:
     Returns:
         The waveform at the VAE's rate, float32 on the CPU, shape ``(samples,)``.
     """
-    vox = import_voxcpm()
+    vox = model_module(getattr(model, "architecture", "voxcpm"))
     device = next(model.parameters()).device
     p, d = model.patch_size, model.feat_dim
     tokens = torch.tensor([*text_ids, AUDIO_START], dtype=torch.long, device=device)[None]
@@ -340,9 +464,9 @@ def synthesize(model, vae, text_ids: Sequence[int], max_patches: int, timesteps:
     audio_mask = torch.zeros(1, n, dtype=torch.int32, device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        latents, _ = vox.next_and_close(model._inference(tokens, text_mask, feats, audio_mask, min_len=2,
+        latents = vox.next_and_close(model._inference(tokens, text_mask, feats, audio_mask, min_len=2,
                                                          max_len=int(max_patches), inference_timesteps=timesteps,
-                                                         cfg_value=cfg_value))
+                                                         cfg_value=cfg_value))[0]  # v2 yields 3 values
     vae_device = next(vae.parameters()).device
     wave = vae.decode(latents.to(vae_device, torch.float32))
     return wave.reshape(-1).float().cpu()
