@@ -451,8 +451,8 @@ class Built:
 
 def build_model(cfg, info) -> Built:
     """The model (VAE removed), the VAE and the tokenizer for ``cfg``."""
-    device = str(info.device)
     model_layout(cfg)  # the folder's files, and VoxCPM2's VAE rate against data.sample_rate, before any loading
+    device = str(info.device)
     if cfg.tts.path:
         model, vae, hf_tok = vt.load_pretrained(cfg.tts.path, device, compute_dtype(cfg))
     else:

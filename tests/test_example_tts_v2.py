@@ -1,0 +1,222 @@
+"""examples/finetune_tts.py on VoxCPM2 (upstream's VoxCPM2Model): a tiny random one on the CPU.
+
+A tiny random VoxCPM2 is saved in the layout of a downloaded folder (config.json with
+``"architecture": "voxcpm2"``, model.safetensors, audiovae.safetensors, tokenizer files), which
+upstream's own ``from_local`` reads back, and the recipe trains from it: full and LoRA, the loss
+falling; LoRA adapts exactly the layers upstream's v2 LoRA config adapts, r and alpha as upstream's;
+a manifest's ref_audio reaches the batch exactly as upstream's packer puts it; a data.sample_rate
+or an audio file below the VAE's input rate is refused naming the file; a text prefix reaches the
+tokenizer unchanged; the latent cache (ref_audio latents included) is reused when nothing changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import finetune_tts as ft  # noqa: E402
+import tts_cache  # noqa: E402
+
+import ddptrain  # noqa: E402
+from ddptrain.data import DataError  # noqa: E402
+from _tts_data import copy_split  # noqa: E402
+from models import voxcpm_tts as vt  # noqa: E402
+
+vt.import_voxcpm2()  # upstream's model code, imported now: the module's frozen heap holds it (see pytestmark)
+
+pytestmark = pytest.mark.usefixtures("one_thread_frozen_heap")
+
+FULL, LORA = (os.path.join(ROOT, "configs", f"tts_voxcpm2{s}.yaml") for s in ("", "_lora"))
+
+
+def with_ref(manifest, ref_row=0):
+    """Every line of ``manifest`` given the ``ref_row``-th line's audio as its ref_audio (upstream's key)."""
+    rows = [json.loads(x) for x in open(manifest)]
+    for r in rows:
+        r["ref_audio"] = rows[ref_row]["audio_filepath"]
+    open(manifest, "w").writelines(json.dumps(r) + "\n" for r in rows)
+    return manifest
+
+
+def cpu_args(train, tmp_path, *more):
+    return [f"data.train_manifest={train}", "data.eval_manifest=''", f"trainer.output_dir={tmp_path}/run",
+            "trainer.device=cpu", "trainer.precision=fp32", "trainer.param_dtype=fp32", "data.max_duration=9",
+            "data.num_buckets=2", "data.num_workers=0", "logging.progress_bar=false", "logging.tensorboard=false",
+            "logging.log_every=1", "trainer.eval_every=0", "tts.num_samples=0", "checkpoint.every_steps=0",
+            "scheduler.warmup_steps=0", "optim.lr=3e-3", *more]
+
+
+def config(path, train, tmp_path, *more):
+    return ddptrain.load_config(path, cpu_args(train, tmp_path, *more), schema=ft.RecipeConfig)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tts2")
+    return {"root": root, "train": with_ref(copy_split(str(root / "data"), "train", 4))}
+
+
+@pytest.fixture(scope="module")
+def folder(corpus):
+    """A tiny random VoxCPM2 saved as a user's download of openbmb/VoxCPM2 is laid out."""
+    cfg = config(FULL, corpus["train"], corpus["root"])
+    b = ft.build_model(cfg, ddptrain.setup_distributed(cfg))
+    path = str(corpus["root"] / "VoxCPM2")
+    vt.save_pretrained(b.model, b.vae, b.tokenizer.hf, path)
+    return path
+
+
+def losses(run_dir):
+    return [json.loads(x)["loss"] for x in open(os.path.join(run_dir, "metrics.jsonl")) if '"split": "train"' in x]
+
+
+def test_tiny_folder_is_read_like_a_download(folder):
+    assert {"config.json", "model.safetensors", "audiovae.safetensors", "tokenizer.json"} <= set(os.listdir(folder))
+    raw = json.load(open(os.path.join(folder, "config.json")))
+    assert raw["architecture"] == "voxcpm2" and raw["audio_vae_config"]["sample_rate"] == 16000
+    model, vae, _ = vt.load_pretrained(folder, "cpu", "float32")
+    assert type(model).__name__ == "VoxCPM2Model" and type(vae).__name__ == "AudioVAE"  # AudioVAEV2's class name
+    assert (vae.sample_rate, vae.out_sample_rate, vt.output_rate(vae)) == (16000, 48000, 48000)
+    # upstream's own loader reads the same folder to the same weights
+    up = vt.model_class("voxcpm2").from_local(folder, optimize=False, training=True, device="cpu")
+    ours = model.state_dict()
+    theirs = {k: v for k, v in up.state_dict().items() if not k.startswith("audio_vae.")}
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].to(ours[k].dtype)) for k in ours)
+    assert all(torch.equal(v, up.audio_vae.state_dict()[k]) for k, v in vae.state_dict().items())
+
+
+def test_full_fine_tune_from_the_folder(corpus, folder, tmp_path):
+    ft.main(["--config", FULL, *cpu_args(corpus["train"], tmp_path, f"tts.path={folder}", "trainer.max_steps=8")])
+    got = losses(f"{tmp_path}/run")
+    assert len(got) == 8 and got[-1] < 0.7 * got[0], got
+
+
+def upstream_lora_names(r=32, alpha=32):
+    """The Linear layers upstream's VoxCPM2 LoRA wraps with its v2 config (enable_lm, enable_dit)."""
+    m = vt.import_voxcpm2()
+    cfg = vt.preset_config("tiny-v2", len(vt.char_tokenizer()))
+    vae = vt.vae_from_config(cfg.audio_vae_config, "voxcpm2")
+    model = m.VoxCPM2Model(cfg, vt.char_tokenizer(), vae, m.LoRAConfig(enable_lm=True, enable_dit=True, r=r,
+                                                                        alpha=alpha), device="cpu")
+    from voxcpm.modules.layers.lora import LoRALinear
+
+    return {n for n, mod in model.named_modules() if isinstance(mod, LoRALinear)}
+
+
+def test_lora_targets_rank_and_alpha_are_upstreams(corpus, folder, tmp_path):
+    cfg = config(LORA, corpus["train"], tmp_path, f"tts.path={folder}", "trainer.max_steps=8", "optim.lr=1e-2")
+    # upstream's conf/voxcpm_v2/voxcpm_finetune_lora.yaml: r 32, alpha 32, enable_lm + enable_dit
+    assert (cfg.lora.rank, cfg.lora.alpha) == (32, 32)
+    info = ddptrain.setup_distributed(cfg)
+    b, objective, train, _, _ = ft.build(cfg, info)
+    trainer = ft.TTSTrainer(b.model, objective, cfg, train)
+    assert set(trainer.adapted) == upstream_lora_names()
+    assert len(trainer.adapted) == 4 * (2 + 1 + 2)  # q/k/v/o of 2 base-LM, 1 residual-LM and 2 DiT layers
+    trainable = {n for n, p in trainer.module.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable)
+    trainer.fit()
+    trainer.close()
+    got = losses(f"{tmp_path}/run")
+    assert len(got) == 8 and got[-1] < 0.9 * got[0], got
+
+
+def test_ref_audio_reaches_the_batch_as_upstream_packs_it(corpus, tmp_path):
+    cfg = config(FULL, corpus["train"], tmp_path)
+    ft.prepare_manifest(cfg, corpus["train"])
+    utts = ft.read_latent_cache(cfg, corpus["train"], 2)
+    u = utts[1]
+    assert u.ref_latent_path and u.ref_frames > 0 and u.ref_audio.endswith("dialect-train-0000.ogg")
+    b = ft.build_model(cfg, ddptrain.setup_distributed(cfg))
+    ids = b.tokenizer(u.text)
+    ds = ft.LatentDataset([u], [ids])
+    batch = ft.TTSCollator(2)([ds[0]])
+    packer = vt.upstream_packer_class()(dataset_cnt=1, max_len=b.layout.max_length, patch_size=2,
+                                        feat_dim=b.layout.feat_dim, audio_vae=b.vae)
+    by_id = {e.id: e for e in ddptrain.data.load_manifest(corpus["train"])}
+    wave = ddptrain.data.load_audio(by_id[u.id].audio_filepath, 16000)[None]
+    ref_wave = ddptrain.data.load_audio(u.ref_audio, 16000)[None]
+    ref = packer(audio_tokens=wave, text_tokens=torch.tensor([ids], dtype=torch.int32),
+                 task_ids=torch.ones(1, dtype=torch.long), dataset_ids=torch.zeros(1, dtype=torch.long),
+                 is_prompts=[False], ref_audio_tokens=ref_wave)
+    assert batch["text_tokens"][0, 0] == vt.REF_START and vt.REF_END in batch["text_tokens"][0].tolist()
+    for key in ("text_tokens", "text_mask", "audio_mask", "loss_mask", "labels"):
+        assert torch.equal(batch[key], ref[key].to(torch.int32)), key
+    torch.testing.assert_close(batch["audio_feats"], ref["audio_feats"], rtol=1e-5, atol=1e-6)
+    assert batch["frames"] == u.frames  # the loss on the target only, not on the reference
+
+
+def test_text_prefix_passes_through(corpus, tmp_path):
+    root = corpus["root"] / "prefix"
+    train = with_ref(copy_split(str(root), "train", 1))
+    rows = [json.loads(x) for x in open(train)]
+    text = "(A calm old man, slow and warm)" + rows[0]["text"]
+    rows[0]["text"] = text
+    open(train, "w").writelines(json.dumps(r) + "\n" for r in rows)
+    cfg = config(FULL, train, tmp_path)
+    ft.prepare_manifest(cfg, train)
+    [u] = ft.read_latent_cache(cfg, train, 2)
+    assert u.text == text
+    b = ft.build_model(cfg, ddptrain.setup_distributed(cfg))
+    loader = ft.build_loader([u], cfg, b.tokenizer, b.layout, False, 1, 0)
+    batch = next(iter(loader))
+    ids = b.tokenizer(text)
+    start = u.ref_frames // 2 + 2  # after 103, the reference's patches, 104
+    assert batch["text_tokens"][0, start:start + len(ids)].tolist() == ids
+    assert ids[:len(b.tokenizer("(A calm"))] == b.tokenizer("(A calm")
+
+
+def write_wav(path, rate, seconds=1.0):
+    import soundfile as sf
+
+    t = np.arange(int(rate * seconds)) / rate
+    sf.write(path, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), rate)
+    return path
+
+
+def test_sample_rate_disagreement_is_refused_naming_the_file(corpus, folder, tmp_path):
+    with pytest.raises(ddptrain.ConfigError, match=rf"data.sample_rate=48000 .*16000 Hz \({folder}/config.json"):
+        ft.build_model(config(FULL, corpus["train"], tmp_path, f"tts.path={folder}", "data.sample_rate=48000"), None)
+    low = write_wav(str(tmp_path / "phone.wav"), 8000)
+    ok = write_wav(str(tmp_path / "ok.wav"), 24000)
+    train = tmp_path / "low.jsonl"
+    train.write_text(json.dumps({"audio": low, "text": "a phone call"}) + "\n"
+                     + json.dumps({"audio": ok, "text": "fine", "ref_audio": low}) + "\n"
+                     + json.dumps({"audio": ok, "text": "fine too"}) + "\n")
+    cfg = config(FULL, str(train), tmp_path, f"tts.path={folder}")
+    with pytest.raises(DataError) as e:
+        ft.prepare_manifest(cfg, str(train))
+    assert f"audio {low} is recorded at 8000 Hz, below the VAE's input rate of 16000 Hz" in str(e.value)
+    assert f"ref_audio {low} is recorded at 8000 Hz" in str(e.value) and "low.jsonl:2" in str(e.value)
+    skipped = ft.prepare_manifest(config(FULL, str(train), tmp_path, f"tts.path={folder}", "data.bad_data=skip"),
+                                  str(train))
+    assert (skipped["encoded"], skipped["skipped"]) == (1, 2)  # 24 kHz is resampled, as for VoxCPM-1.5
+
+
+def test_latent_cache_holds_the_references_and_is_reused(corpus, tmp_path):
+    root = corpus["root"] / "cache"
+    train = with_ref(copy_split(str(root), "train", 2))
+    cfg = config(FULL, train, tmp_path)
+    first = ft.prepare_manifest(cfg, train)
+    assert (first["encoded"], first["written"]) == (2, True)
+    again = ft.prepare_manifest(cfg, train)
+    assert (again["encoded"], again["written"]) == (0, False)
+    utts = ft.read_latent_cache(cfg, train, 2)
+    assert all(np.load(u.ref_latent_path).shape == (u.ref_frames, 16) for u in utts)
+    assert np.array_equal(np.load(utts[0].ref_latent_path), np.load(utts[0].latent_path))  # its own audio as reference
+    meta = json.load(open(os.path.join(tts_cache.cache_dir(train), "meta.json")))
+    assert meta["ref_audio"] == "encoded" and meta["vae"]["preset"] == "tiny-v2"
+    with pytest.raises(DataError, match="another VAE"):  # a 1.5 reader (no references) is not handed this cache
+        tts_cache.read_cache(train, ft.vae_spec(cfg), 2)
+    rows = [json.loads(x) for x in open(train)]
+    rows[1]["ref_audio"] = rows[1]["audio_filepath"]  # a changed reference: that line is encoded again
+    open(train, "w").writelines(json.dumps(r) + "\n" for r in rows)
+    third = ft.prepare_manifest(cfg, train)
+    assert (third["encoded"], third["reused"]) == (1, 1)
