@@ -98,7 +98,7 @@ MODEL_FILES = {"config.json": ("config.json",), "model.safetensors (or pytorch_m
 @dataclass
 class TTSConfig:
     path: str = ""  # VoxCPM checkpoint folder (config.json, model.safetensors, audiovae.*, tokenizer); "" = random init from preset
-    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (the published layout, ~0.8B) | tiny-v2 (VoxCPM2's layout, CPU tests)
+    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (published layout, ~0.8B) | tiny-v2 (VoxCPM2, tests)
     vae_seed: int = 0  # random init: seed of the random VAE's weights (the latent cache records it)
     diff_weight: float = 1.0  # weight of the flow-matching loss (upstream lambdas["loss/diff"])
     stop_weight: float = 1.0  # weight of the stop loss (upstream lambdas["loss/stop"])
@@ -136,9 +136,11 @@ class RecipeConfig(ddptrain.Config):
     }
     RULES_TOGETHER: ClassVar[list] = [
         # the adapters of a random base are worthless, and the published layout's random init is slow
-        (("lora.enabled", "tts.path", "tts.preset"), lambda lora, path, preset: not lora or bool(path) or preset.startswith("tiny"),
+        (("lora.enabled", "tts.path", "tts.preset"),
+         lambda lora, path, preset: not lora or bool(path) or preset.startswith("tiny"),
          f"LoRA adapts downloaded weights: set tts.path to a {MODEL_ID} folder ({download_command(MODEL_ID)}, then "
-         f"tts.path=/models/{MODEL_ID.split('/')[-1]}); only tts.preset=tiny or tiny-v2 (tests) trains adapters on a random init"),
+         f"tts.path=/models/{MODEL_ID.split('/')[-1]}); only tts.preset=tiny or tiny-v2 (tests) trains adapters on a "
+         "random init"),
         (("data.spec_augment", "data.speed_perturb", "data.feature_device"),
          lambda augment, speeds, device: not augment and not speeds and device == "worker",
          "TTS trains on VAE latents cached before training (examples/prepare_tts.py): data.spec_augment, "
@@ -497,7 +499,8 @@ def main(argv: list[str]) -> dict:
     if info.is_main:
         n = sum(p.numel() for p in b.model.parameters())
         k = sum(p.numel() for p in b.model.parameters() if p.requires_grad)
-        print(f"{'VoxCPM2' if architecture(cfg) == 'voxcpm2' else 'VoxCPM'}: {n:,} parameters ({k:,} trained{', LoRA' if trainer.adapted else ''}), VAE apart "
+        name = "VoxCPM2" if architecture(cfg) == "voxcpm2" else "VoxCPM"
+        print(f"{name}: {n:,} parameters ({k:,} trained{', LoRA' if trainer.adapted else ''}), VAE apart "
               f"({sum(p.numel() for p in b.vae.parameters()):,}); {len(train)} batches/epoch/rank on "
               f"{info.world_size} process(es), device {trainer.device}; recomputed {len(trainer.recomputed)}, "
               f"compiled {len(trainer.compiled)} modules")
@@ -505,8 +508,8 @@ def main(argv: list[str]) -> dict:
     summary = {"eval": trainer.fit()}
     summary["train_seconds"] = round(time.time() - start, 1)
     patch = b.layout.patch_size
-    summary["test"] = {m: trainer.evaluate(build_loader(read_latent_cache(cfg, m, patch), cfg, b.tokenizer, b.layout, False,
-                                                        info.world_size, info.rank), prefix="test", name=m)
+    summary["test"] = {m: trainer.evaluate(build_loader(read_latent_cache(cfg, m, patch), cfg, b.tokenizer, b.layout,
+                                                        False, info.world_size, info.rank), prefix="test", name=m)
                        for m in cfg.tts.test_manifests}
     trainer.close()  # after the test-set evaluations: they are logged too
     if info.is_main:

@@ -3,7 +3,7 @@
 A tiny random VoxCPM2 is saved in the layout of a downloaded folder (config.json with
 ``"architecture": "voxcpm2"``, model.safetensors, audiovae.safetensors, tokenizer files), which
 upstream's own ``from_local`` reads back, and the recipe trains from it: full and LoRA, the loss
-falling; LoRA adapts exactly the layers upstream's v2 LoRA config adapts, r and alpha as upstream's;
+falling, a sample written at the VAE's 48 kHz; LoRA adapts exactly the layers upstream's v2 LoRA config adapts, r and alpha as upstream's;
 a manifest's ref_audio reaches the batch exactly as upstream's packer puts it; a data.sample_rate
 or an audio file below the VAE's input rate is refused naming the file; a text prefix reaches the
 tokenizer unchanged; the latent cache (ref_audio latents included) is reused when nothing changed.
@@ -94,9 +94,15 @@ def test_tiny_folder_is_read_like_a_download(folder):
 
 
 def test_full_fine_tune_from_the_folder(corpus, folder, tmp_path):
-    ft.main(["--config", FULL, *cpu_args(corpus["train"], tmp_path, f"tts.path={folder}", "trainer.max_steps=8")])
+    ft.main(["--config", FULL, *cpu_args(corpus["train"], tmp_path, f"tts.path={folder}", "trainer.max_steps=8",
+                                         f"data.eval_manifest={corpus['train']}", "trainer.eval_every=8",
+                                         "tts.num_samples=1", "tts.sample_timesteps=2", "tts.sample_max_ratio=0.5")])
     got = losses(f"{tmp_path}/run")
     assert len(got) == 8 and got[-1] < 0.7 * got[0], got
+    import soundfile as sf
+
+    [wav] = os.listdir(f"{tmp_path}/run/samples/step_0000008")
+    assert sf.info(f"{tmp_path}/run/samples/step_0000008/{wav}").samplerate == 48000  # the VAE's output rate
 
 
 def upstream_lora_names(r=32, alpha=32):
