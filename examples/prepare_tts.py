@@ -3,6 +3,8 @@
     python examples/prepare_tts.py --config configs/tts_dialect.yaml            # its train/eval/test manifests
     python examples/prepare_tts.py --config configs/tts_voxcpm15.yaml my/train.jsonl my/dev.jsonl \\
         tts.path=/models/VoxCPM1.5
+    python examples/prepare_tts.py --config configs/tts_voxcpm2.yaml my/train.jsonl tts.path=/models/VoxCPM2
+    # VoxCPM2: each line's ref_audio is encoded too; audio below the VAE's input rate is named and refused
 
 examples/finetune_tts.py does the same itself on rank 0 before training (a no-op once done); this
 command prepares the caches beforehand, e.g. on another machine. Rerunning is a no-op when
