@@ -285,7 +285,7 @@ class Trainer:
         result = reduce_ratios(sums, self.device)
         c = self.cfg.checkpoint
         # a probe's batches need not hold every eval source: a per-source name counts if its source exists
-        named = getattr(getattr(self.eval_data if own else data, "dataset", None), "names", None) or ()  # a MixedDataset's
+        named = getattr(getattr(self.eval_data if own else data, "dataset", None), "names", None) or ()  # a MixedDataset
         sources = list(dict.fromkeys([*self.cfg.data.eval_sources, *named]))
         result.update(regression.source_means(result, sources))  # <metric>/mean: keep-best over all sources
         if own and not max_batches and self.gate is not None:

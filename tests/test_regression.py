@@ -11,6 +11,7 @@ import torch
 
 import ddptrain
 from ddptrain.config import ConfigError, load_config
+from ddptrain.data import CharTokenizer
 from ddptrain.regression import read_baseline, source_means
 from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
 
@@ -133,3 +134,32 @@ def test_keep_best_ranks_checkpoints_by_the_mean_over_sources(tmp_path):
     assert kept == ["step_00000002", "step_00000008"]
     meta = json.load(open(run / "checkpoints" / "step_00000002" / "meta.json"))
     assert meta["metrics"]["wer/mean"] == pytest.approx(0.25)
+
+
+@pytest.mark.timeout(600)
+def test_the_asr_demo_mix_with_temperature_a_cap_keep_best_and_the_gate(tmp_path, monkeypatch):
+    """The shipped configs/asr_demo_mix.yaml on subsets of the shipped digits, tiny model, with the
+    dialect workflow's keys: the base replayed at a temperature under a cap, keep-best over the
+    mean of the sources, the base model measured at step 0 and each evaluation checked against it."""
+    from test_evaluate import ROOT, TINY_ASR, manifest
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import finetune_asr
+
+    acc, base = manifest(tmp_path, "accent/train", 24), manifest(tmp_path, "base/train", 60)
+    acc_dev, base_dev = manifest(tmp_path, "accent/dev", 4), manifest(tmp_path, "base/dev", 4)
+    CharTokenizer.build(f"{acc},{base}").save(str(tmp_path / "tok.json"))
+    run = tmp_path / "run"
+    finetune_asr.main(["--config", os.path.join(ROOT, "configs", "asr_demo_mix.yaml"), f"trainer.output_dir={run}",
+                       f"data.tokenizer={tmp_path}/tok.json", f"data.train_sources={{accent: {acc}, base: {base}}}",
+                       f"data.eval_sources={{accent: {acc_dev}, base: {base_dev}}}", "data.train_weights.accent=0.8",
+                       "data.train_weights.base=0.2", "data.mix_temperature=2", "data.source_caps={base: {epochs: 0.2}}",
+                       "model.init_from=''", "demo.test_manifests=[]", "trainer.max_steps=12", "trainer.eval_every=4",
+                       "checkpoint.every_steps=4", "checkpoint.keep_best=1", "checkpoint.best_metric=wer/mean",
+                       "eval.baseline=measure", "eval.regression_margin=0.5", *TINY_ASR])
+    logged = evals(run)
+    assert sorted(logged) == [0, 4, 8, 12]
+    assert read_baseline(str(run / "eval_baseline.json"))["wer/accent"] == logged[0]["wer/accent"]
+    for step in (4, 8, 12):
+        assert logged[step]["wer/mean"] == pytest.approx((logged[step]["wer/accent"] + logged[step]["wer/base"]) / 2)
+        assert {"regressed/accent", "regressed/base", "regressed"} <= set(logged[step])

@@ -118,25 +118,7 @@ class WeightedMixSampler(ShardWindowSampler):
         self._everything = bool((self.counts == n_sb).all())  # weights in proportion to the sizes
         self._source_stats: Optional[tuple] = None
         self.caps = _check_caps(caps, self.names)
-        secs = self.durations if seconds is None else np.asarray(seconds, dtype=np.float64)
-        if secs.shape != self.durations.shape:
-            raise ValueError(f"seconds must be one per utterance ({self.durations.size}), got shape {secs.shape}")
-        # limit[s, b]: utterances bucket b of source s may give over the run (-1: no cap)
-        self._limit = np.full(self.counts.shape, -1, dtype=np.int64)
-        for s, name in enumerate(self.names):
-            if name not in self.caps:
-                continue
-            (kind, x), = self.caps[name].items()
-            total = float(secs[self.sources == s].sum())
-            for b, members in enumerate(self._strata[s]):
-                if kind == "epochs":
-                    self._limit[s, b] = int(math.floor(x * members.size + 1e-9))
-                else:  # the longest prefix of the bucket's circular order within its share of the hours
-                    prefix = np.concatenate([[0.0], np.cumsum(secs[members[self._order(s, b)]])])
-                    budget = x * 3600.0 * (prefix[-1] / total if total else 0.0)
-                    cycles = int(budget // prefix[-1]) if prefix[-1] > 0 else 0
-                    rest = budget - cycles * prefix[-1]
-                    self._limit[s, b] = cycles * members.size + int(np.searchsorted(prefix, rest * (1 + 1e-12), "right")) - 1
+        self._limit = self._cap_limits(self.durations if seconds is None else np.asarray(seconds, dtype=np.float64))
         drawn = self.counts > 0
         capped = drawn & (self._limit >= 0)
         # the first epoch that draws nothing: every drawn (source, bucket) has reached its cap
@@ -144,6 +126,28 @@ class WeightedMixSampler(ShardWindowSampler):
         if drawn.any() and (capped == drawn).all():
             self.end_epoch = int(np.max(-(-self._limit[drawn] // self.counts[drawn])))
         self._lengths: dict = {}  # epoch draws (counts) -> batches of this rank (epoch_lengths)
+
+    def _cap_limits(self, secs: np.ndarray) -> np.ndarray:
+        """Per source and bucket, the utterances the run may draw of it (-1: no cap)."""
+        if secs.shape != self.durations.shape:
+            raise ValueError(f"seconds must be one per utterance ({self.durations.size}), got shape {secs.shape}")
+        limit = np.full(self.counts.shape, -1, dtype=np.int64)
+        for s, name in enumerate(self.names):
+            if name not in self.caps:
+                continue
+            (kind, x), = self.caps[name].items()
+            total = float(secs[self.sources == s].sum())
+            for b, members in enumerate(self._strata[s]):
+                if kind == "epochs":
+                    limit[s, b] = int(math.floor(x * members.size + 1e-9))
+                    continue
+                # hours: the longest prefix of the bucket's circular order within its share of them
+                prefix = np.concatenate([[0.0], np.cumsum(secs[members[self._order(s, b)]])])
+                budget = x * 3600.0 * prefix[-1] / total
+                cycles = int(budget // prefix[-1]) if prefix[-1] > 0 else 0
+                within = np.searchsorted(prefix, (budget - cycles * prefix[-1]) * (1 + 1e-12), "right") - 1
+                limit[s, b] = cycles * members.size + int(within)
+        return limit
 
     def _epoch_counts(self, epoch: int) -> np.ndarray:
         """Per source and bucket, the utterances ``epoch`` draws: the plan's counts, less what the
