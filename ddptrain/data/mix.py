@@ -41,11 +41,14 @@ per-epoch draws), and the run's length counts them (:meth:`WeightedMixSampler.ep
 Once every source with a share is capped, epochs are empty: ``end_epoch`` is the first of them,
 and the Trainer ends the run there, saying so (ddptrain/steps.py). Everything stays a pure
 function of ``(seed, epoch)``: what was drawn before an epoch is computed, not stored, so a
-resume and the ranks' equal step counts hold as without caps.
+resume and the ranks' equal step counts hold as without caps; the sampler's state holds the caps,
+and a resume under other caps is refused, naming them.
 
 Evaluation over named sources scores every utterance once (weights are for training) and each
 batch carries ``batch["sources"]``, the source name of each utterance, so a recipe's
-``metrics_fn`` can return per-source pairs such as ``wer/accent`` (examples/finetune_asr.py).
+``metrics_fn`` can return per-source pairs such as ``wer/accent`` (examples/finetune_asr.py); the
+Trainer adds their mean over the sources, ``wer/mean``, and checks each against the base model's
+(ddptrain/regression.py).
 """
 
 from __future__ import annotations
