@@ -106,7 +106,7 @@ class CheckpointConfig:
     save_at_end: bool = True  # save after the last step
     keep_last: int = 3  # keep this many most recent checkpoints (0 = keep all)
     keep_best: int = 0  # also keep the best K by `best_metric` (0 = off); a scheduled save evaluates first if its step had no evaluation
-    best_metric: str = "loss"  # eval metric name for keep_best
+    best_metric: str = "loss"  # eval metric name for keep_best; <metric>/mean (e.g. wer/mean) is the mean over the eval sources of <metric>/<source>, each source counted once (ddptrain/regression.py)
     best_mode: str = "min"  # min: a lower best_metric is better; max: a higher one
     resume: str = "none"  # auto: the newest complete checkpoint in output_dir, if any; or a checkpoint path
     min_free_gb: float = 1.0  # refuse to start if the checkpoint disk has less free space
@@ -169,6 +169,14 @@ class EmaConfig:
 
 
 @dataclass
+class EvalConfig:
+    baseline: str = "none"  # the base model's metrics the regression gate compares every evaluation with: none (no gate), measure (evaluate before the first step; kept in output_dir/eval_baseline.json, which a resume reads), or a JSON file ({metric: value}, or a checkpoint's meta.json) (ddptrain/regression.py)
+    regression_metric: str = "wer"  # the gate compares <metric>/<source> of every eval source (data.eval_sources) with the base's
+    regression_mode: str = "min"  # min: lower is better (a source regresses above base + margin); max: higher is better (below base - margin)
+    regression_margin: float = 0.0  # how much worse than the base a source may get before the gate warns and flags it (eval/regressed/<source>), in the metric's units
+
+
+@dataclass
 class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -180,6 +188,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
 
@@ -322,6 +331,28 @@ def _manifest_fields(v: Any) -> dict:
     return fields
 
 
+def _temperature(v: Any) -> float:
+    """``data.mix_temperature``: a number > 0; ``.inf`` (uniform shares) is allowed."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not v > 0:
+        raise _Bad("must be a number > 0 (.inf: uniform over the sources)")
+    return float(v)
+
+
+def _source_caps(v: Any) -> dict:
+    """``data.source_caps``: per source one cap, ``{epochs: x}`` or ``{hours: x}`` with x > 0."""
+    out = {}
+    for name, cap in dict(v).items():
+        cap = dict(cap) if isinstance(cap, (dict, DictConfig)) else cap
+        if not isinstance(cap, dict) or len(cap) != 1 or str(next(iter(cap))) not in ("epochs", "hours"):
+            raise _Bad(f"entry {name!r} ({cap!r}) must be {{epochs: x}} or {{hours: x}}")
+        (kind, x), = cap.items()
+        try:
+            out[str(name)] = {str(kind): above(0).check(x)}
+        except _Bad as e:
+            raise _Bad(f"entry {name!r}: {kind} ({x!r}) {e}") from None
+    return out
+
+
 def _signal_name(v: Any) -> str:
     """``SIGTERM``, ``sigterm``, ``TERM`` and ``term`` all name SIGTERM; stored as ``SIGTERM``."""
     name = str(v).strip().upper()
@@ -426,11 +457,17 @@ RULES: dict[str, Rule] = {
     "ema.warmup": ANY,
     "ema.device": one_of("auto", "gpu", "cpu"),
     "ema.evaluate": ANY,
+    "eval.baseline": keyword_or_path("none", "measure"),
+    "eval.regression_metric": not_empty(),
+    "eval.regression_mode": one_of("min", "max"),
+    "eval.regression_margin": at_least(0),
     "data.train_manifest": ANY,
     "data.eval_manifest": ANY,
     "data.fields": Rule("{field: key}, field one of ddptrain.data.manifest.FIELDS", lambda v: _manifest_fields(v)),
     "data.train_sources": entries(not_empty()),
     "data.train_weights": entries(at_least(0)),
+    "data.source_caps": Rule("{name: {epochs: x} or {hours: x}}, x > 0", lambda v: _source_caps(v)),
+    "data.mix_temperature": Rule("> 0 (.inf = uniform)", lambda v: _temperature(v)),
     "data.eval_sources": entries(not_empty()),
     "data.shard_window": at_least(0),
     "data.tokenizer": ANY,
@@ -530,6 +567,11 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
     (("data.train_sources", "data.train_weights"),
      lambda sources, weights: not weights or (set(weights) == set(sources) and sum(weights.values()) > 0),
      lambda sources, weights: _weights_why(sources, weights)),
+    (("data.eval_sources",), lambda sources: "mean" not in sources,
+     "data.eval_sources may not name a source 'mean': eval/<metric>/mean is the mean over the sources"),
+    (("data.train_sources", "data.source_caps"), lambda sources, caps: set(caps) <= set(sources),
+     lambda sources, caps: f"data.source_caps names {', '.join(map(repr, sorted(set(caps) - set(sources))))}, which "
+                           f"is not a source of data.train_sources ({', '.join(map(str, sources)) or 'none'})"),
     (("data.features", "data.sample_rate", "data.frame_length_ms", "data.frame_shift_ms"),
      lambda kind, rate, length, shift: kind == "raw" or (int(rate * length / 1000) >= 2 and int(rate * shift / 1000) >= 1),
      "data.frame_length_ms / data.frame_shift_ms are under 2 / 1 samples at data.sample_rate"),

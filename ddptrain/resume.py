@@ -71,6 +71,8 @@ REFUSED = {
     "data.train_sources": "the saved data position indexes this data set (these sources)",
     "data.train_weights": "the saved data position indexes this epoch plan (each source's share of every epoch)",
     "data.shard_window": "the saved data position indexes this epoch plan (batches planned within shard windows)",
+    "data.mix_temperature": "the saved data position indexes this epoch plan (each source's share of every epoch)",
+    "data.source_caps": "the saved data position indexes this epoch plan (what each epoch draws of a capped source)",
     "lora.enabled": "the saved weights and optimizer state hold (or lack) the adapters",
     "lora.targets": "the saved adapters and their optimizer state belong to these layers",
     "lora.rank": "the saved adapters and their optimizer state have this rank's shapes",

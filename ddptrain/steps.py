@@ -107,10 +107,23 @@ class StepStream:
         self.loader, self.progress, self.rng, self.cfg = loader, progress, rng, cfg
         self.epoch_end = epoch_end
         self.wait_s = 0.0  # how long the last step waited for its data
+        self.say: Callable[[str], None] = print  # the Trainer's logger, once it has one
+        self._said_end = False
 
     def finished(self) -> bool:
         p, t = self.progress, self.cfg
-        return p.step >= t.max_steps if t.max_steps > 0 else p.epoch >= t.max_epochs
+        if p.step >= t.max_steps if t.max_steps > 0 else p.epoch >= t.max_epochs:
+            return True
+        # a mix whose every source reached its data.source_caps has nothing left to draw (ddptrain/data/mix.py)
+        end = getattr(stateful_sampler(self.loader), "end_epoch", None)
+        if end is None or p.epoch < end:
+            return False
+        if not self._said_end:
+            self._said_end = True
+            limit = f"trainer.max_steps={t.max_steps}" if t.max_steps > 0 else f"trainer.max_epochs={t.max_epochs}"
+            self.say(f"every training source has reached its data.source_caps by epoch {end}: the run ends at step "
+                     f"{p.step}, before {limit}")
+        return True
 
     def stop_workers(self) -> None:
         """Shut a DataLoader's persistent workers down now (``fit`` is over), instead of whenever

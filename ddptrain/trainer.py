@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, ema, preflight, resume, runfolder, weights
+from ddptrain import dist, ema, preflight, regression, resume, runfolder, weights
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
@@ -88,10 +88,11 @@ class Trainer:
             self._setup_optimizer()
             self._setup_data()
             changed = self._resume(resume_from) if resume_from else {}
+            self.gate = regression.gate_for(config, self.eval_data, self.progress.step, self.info.is_main)
             window = ThroughputWindow.for_run(config, self.info, flops_fn, self.allreduce_timer)
             self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main,
                                     self.total_steps, self.progress.step, window)
-            self.guard.say = self.logger.print
+            self.guard.say = self.stream.say = self.logger.print
             dist.preflight(config.dist, self.info, self.logger, self.progress.step)  # a slow GPU link, named now
             if self.info.is_main:
                 resume.record(t.output_dir, to_yaml(config), self.progress.step if resume_from else None, changed)
@@ -132,8 +133,9 @@ class Trainer:
             raise ValueError("train_data is empty on rank %d" % self.info.rank)
         if self.cfg.checkpoint.keep_best > 0 and self.eval_data is None:
             raise ConfigError("checkpoint.keep_best ranks checkpoints by an eval metric, and this run has no eval_data")
-        steps_per_epoch = math.ceil(len(self.train_data) / t.grad_accum_steps)
-        self.total_steps = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
+        lengths = getattr(stateful_sampler(self.train_data), "epoch_lengths", None)  # capped mixes shrink
+        epochs = lengths(t.max_epochs) if lengths else [len(self.train_data)] * t.max_epochs
+        self.total_steps = t.max_steps if t.max_steps > 0 else sum(math.ceil(n / t.grad_accum_steps) for n in epochs)
         self.progress.schedule_steps = self.total_steps
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.total_steps)
         self.preemption = PreemptionFlag(t.preempt_signals)
@@ -158,6 +160,8 @@ class Trainer:
             preflight.before_fit(t.preflight, self.one_step, self.train_data, self.logger.print)
             if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
                 self.evaluate(max_batches=1)
+            if self.gate is not None and self.gate.baseline is None:
+                self.evaluate()  # eval.baseline=measure: the base model's metrics, before its first step
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
             self.logger.window.reset()  # the first logged rates count steps, not set-up
@@ -281,8 +285,11 @@ class Trainer:
         result = reduce_ratios(sums, self.device)
         c = self.cfg.checkpoint
         # a probe's batches need not hold every eval source: a per-source name counts if its source exists
-        named = getattr(getattr(self.eval_data, "dataset", None), "names", None) or ()  # a MixedDataset's
-        sources = [*self.cfg.data.eval_sources, *named]
+        named = getattr(getattr(self.eval_data if own else data, "dataset", None), "names", None) or ()  # a MixedDataset
+        sources = list(dict.fromkeys([*self.cfg.data.eval_sources, *named]))
+        result.update(regression.source_means(result, sources))  # <metric>/mean: keep-best over all sources
+        if own and not max_batches and self.gate is not None:
+            result.update(self.gate.review(result, p.step, sources, self.logger.print))
         if own and c.keep_best > 0 and not ckpt.produces(result, c.best_metric, sources if max_batches else ()):
             raise ConfigError(f"checkpoint.best_metric={c.best_metric!r} is not a metric this run's evaluation "
                               f"produces ({', '.join(result)}); checkpoint.keep_best needs one of them")

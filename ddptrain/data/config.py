@@ -18,6 +18,8 @@ class DataConfig:
     # --- named sources and shards (mix.py, shards.py)
     train_sources: dict[str, str] = field(default_factory=dict)  # instead of train_manifest: {name: manifest or shards}, mixed by train_weights
     train_weights: dict[str, float] = field(default_factory=dict)  # {name: weight}: each source's share of every epoch's utterances; {} = by size
+    source_caps: dict[str, dict[str, float]] = field(default_factory=dict)  # {name: {epochs: x} or {hours: x}}: a source stops being drawn once the run has drawn x times its utterances (epochs; 1.0 = each once) or x hours of its audio; later epochs are shorter, and when every drawn source is capped the run ends (mix.py)
+    mix_temperature: float = 1.0  # share of source s = b_s^(1/T) / sum_r b_r^(1/T), b = its train_weights entry (or, without train_weights, its utterances): 1 = as given, > 1 flattens toward uniform (.inf = uniform over sources with b > 0), < 1 sharpens (mix.py)
     eval_sources: dict[str, str] = field(default_factory=dict)  # instead of eval_manifest: {name: manifest or shards}; batches carry each utterance's source name
     shard_window: int = 4  # plan batches within windows of this many shards (locality); 0 = over all shards at once
     tokenizer: str = ""  # tokenizer file; "" = build a character tokenizer from train_manifest

@@ -23,14 +23,39 @@ same number of batches every epoch (exact LR schedules); the draw is a pure func
 ``(seed, epoch)``, so a resume is exact; the plan is ShardWindowSampler's (windows of shards
 when sources are shard sets; each window then holds every source in its share).
 
+Temperature (``data.mix_temperature`` = T), as in multilingual training: source ``s``'s share is
+``b_s^(1/T) / sum_r b_r^(1/T)``, where ``b_s`` is its ``train_weights`` entry, or its number of
+utterances when there are no weights (weights and sizes never multiply: weights replace sizes).
+T = 1 keeps the shares as given; T > 1 flattens them toward uniform (T = inf: uniform over the
+sources with ``b > 0``); T < 1 sharpens them. A weight of 0 stays 0 at every T.
+
+Exposure caps (``data.source_caps``: ``{name: {epochs: x}}`` or ``{name: {hours: x}}``): a source
+stops being drawn once the run has drawn ``x`` times its utterances, or ``x`` hours of its
+audio (the manifest's durations). The cap is kept per bucket, so a capped source's lengths stay
+spread as its own: bucket ``b`` of source ``s`` may give ``floor(x * n_sb)`` utterances over the
+run (epochs), or the longest run of its circular order whose seconds fit ``x`` hours times the
+bucket's share of the source's seconds (hours); never more than the cap. ``epochs: 1.0`` is every
+utterance exactly once. The epoch in which a cap is reached draws only what is left of it, and
+later epochs draw nothing of that source: epochs get shorter (the other sources keep their
+per-epoch draws), and the run's length counts them (:meth:`WeightedMixSampler.epoch_lengths`).
+Once every source with a share is capped, epochs are empty: ``end_epoch`` is the first of them,
+and the Trainer ends the run there, saying so (ddptrain/steps.py). Everything stays a pure
+function of ``(seed, epoch)``: what was drawn before an epoch is computed, not stored, so a
+resume and the ranks' equal step counts hold as without caps; the sampler's state holds the caps,
+and a resume under other caps is refused, naming them.
+
 Evaluation over named sources scores every utterance once (weights are for training) and each
 batch carries ``batch["sources"]``, the source name of each utterance, so a recipe's
-``metrics_fn`` can return per-source pairs such as ``wer/accent`` (examples/finetune_asr.py).
+``metrics_fn`` can return per-source pairs such as ``wer/accent`` (examples/finetune_asr.py); the
+Trainer adds their mean over the sources, ``wer/mean``, and checks each against the base model's
+(ddptrain/regression.py).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -59,14 +84,19 @@ class WeightedMixSampler(ShardWindowSampler):
         weights: one weight >= 0 per source (not all 0).
         names: one name per source (for messages, statistics and the resume check).
         shards, window_shards, **kwargs: as :class:`ShardWindowSampler`.
+        caps: ``{name: {"epochs": x} or {"hours": x}}``, exposure caps (the module docstring).
+        seconds: audio seconds per utterance for ``hours`` caps; default ``durations`` (which
+            may be budget lengths: speed-stretched, a recipe's cost).
 
     Raises:
         ValueError: ShardWindowSampler's, or weights / names that do not match the sources, or
-            a weighted source without utterances.
+            a weighted source without utterances, or a cap of an unknown source or kind.
     """
 
     def __init__(self, durations: Sequence[float], sources: Sequence[int], weights: Sequence[float],
-                 names: Sequence[str], shards: Optional[Sequence[int]] = None, window_shards: int = 0, **kwargs):
+                 names: Sequence[str], shards: Optional[Sequence[int]] = None, window_shards: int = 0,
+                 caps: Optional[Mapping[str, Mapping[str, float]]] = None, seconds: Optional[Sequence[float]] = None,
+                 **kwargs):
         super().__init__(durations, shards=shards, window_shards=window_shards, sources=sources, **kwargs)
         w = np.asarray(weights, dtype=np.float64)
         if self.sources is None or len(names) != w.size or w.ndim != 1 or self.sources.max() >= w.size \
@@ -90,28 +120,90 @@ class WeightedMixSampler(ShardWindowSampler):
                         for s in range(w.size)]
         self._everything = bool((self.counts == n_sb).all())  # weights in proportion to the sizes
         self._source_stats: Optional[tuple] = None
+        self.caps = _check_caps(caps, self.names)
+        self._limit = self._cap_limits(self.durations if seconds is None else np.asarray(seconds, dtype=np.float64))
+        drawn = self.counts > 0
+        capped = drawn & (self._limit >= 0)
+        # the first epoch that draws nothing: every drawn (source, bucket) has reached its cap
+        self.end_epoch: Optional[int] = None
+        if drawn.any() and (capped == drawn).all():
+            self.end_epoch = int(np.max(-(-self._limit[drawn] // self.counts[drawn])))
+        self._lengths: dict = {}  # epoch draws (counts) -> batches of this rank (epoch_lengths)
+
+    def _cap_limits(self, secs: np.ndarray) -> np.ndarray:
+        """Per source and bucket, the utterances the run may draw of it (-1: no cap)."""
+        if secs.shape != self.durations.shape:
+            raise ValueError(f"seconds must be one per utterance ({self.durations.size}), got shape {secs.shape}")
+        limit = np.full(self.counts.shape, -1, dtype=np.int64)
+        for s, name in enumerate(self.names):
+            if name not in self.caps:
+                continue
+            (kind, x), = self.caps[name].items()
+            total = float(secs[self.sources == s].sum())
+            for b, members in enumerate(self._strata[s]):
+                if kind == "epochs":
+                    limit[s, b] = int(math.floor(x * members.size + 1e-9))
+                    continue
+                # hours: the longest prefix of the bucket's circular order within its share of them
+                prefix = np.concatenate([[0.0], np.cumsum(secs[members[self._order(s, b)]])])
+                budget = x * 3600.0 * prefix[-1] / total
+                cycles = int(budget // prefix[-1]) if prefix[-1] > 0 else 0
+                within = np.searchsorted(prefix, (budget - cycles * prefix[-1]) * (1 + 1e-12), "right") - 1
+                limit[s, b] = cycles * members.size + int(within)
+        return limit
+
+    def _epoch_counts(self, epoch: int) -> np.ndarray:
+        """Per source and bucket, the utterances ``epoch`` draws: the plan's counts, less what the
+        caps leave after the epochs before it (each drew its full counts until a cap bit)."""
+        c = self.counts
+        left = np.where(self._limit >= 0, self._limit - c * int(epoch), c)
+        return np.clip(left, 0, c)
+
+    def _order(self, s: int, b: int) -> np.ndarray:
+        """The circular order source ``s`` reads its utterances of bucket ``b`` in (positions in the stratum)."""
+        n = self._strata[s][b].size
+        return np.random.default_rng([self.seed, 2, s, b]).permutation(n) if self.shuffle else np.arange(n)
 
     def _epoch_members(self, epoch: int) -> list[np.ndarray]:
-        if self._everything:
+        counts = self._epoch_counts(epoch)
+        if self._everything and (counts == self.counts).all():
             return self._buckets  # every utterance once: the plain plan
-        return [np.concatenate([self._draw(s, b, epoch) for s in range(len(self.names))])
+        return [np.concatenate([self._draw(s, b, epoch, int(counts[s, b])) for s in range(len(self.names))])
                 for b in range(len(self._buckets))]
 
-    def _draw(self, s: int, b: int, epoch: int) -> np.ndarray:
-        """Source ``s``'s utterances of bucket ``b`` in ``epoch``: the epoch's slice of one random
-        order of them, read circularly (``count`` per epoch), so no utterance comes twice in one
-        epoch and each comes once every ``n / count`` epochs."""
+    def _draw(self, s: int, b: int, epoch: int, k: int) -> np.ndarray:
+        """Source ``s``'s ``k`` utterances of bucket ``b`` in ``epoch``: the epoch's slice of one
+        random order of them, read circularly (``count`` per epoch, the first ``k`` of it), so no
+        utterance comes twice in one epoch and each comes once every ``n / count`` epochs."""
         members, c = self._strata[s][b], int(self.counts[s, b])
-        if c == 0 or c == members.size:
-            return members[:c]
-        order = np.random.default_rng([self.seed, 2, s, b]).permutation(members.size) if self.shuffle \
-            else np.arange(members.size)
+        if k == 0 or k == members.size:
+            return members[:k]
         start = int(epoch) * c % members.size
-        return members[np.sort(np.take(order, np.arange(start, start + c), mode="wrap"))]
+        return members[np.sort(np.take(self._order(s, b), np.arange(start, start + k), mode="wrap"))]
+
+    def epoch_lengths(self, epochs: int) -> list[int]:
+        """Batches this rank gets in each of epochs ``0 .. epochs - 1`` (equal on every rank):
+        the same every epoch unless caps shorten the later ones (0 from ``end_epoch`` on). One
+        plan per distinct draw, so a long run of equal epochs costs one plan."""
+        out = []
+        for e in range(int(epochs)):
+            key = self._epoch_counts(e).tobytes()
+            if key not in self._lengths:
+                probe = copy.copy(self)  # the plan of epoch e, leaving this sampler's epoch alone
+                probe.epoch, probe._history, probe._plan_cache = e, [], None
+                self._lengths[key] = len(probe)
+            out.append(self._lengths[key])
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        state.setdefault("source_caps", {})  # states saved before caps existed
+        super().load_state_dict(state)
 
     def _settings(self) -> dict:
         return {**super()._settings(), "source_names": list(self.names),
-                "source_weights": [round(x, 6) for x in self.weights]}
+                "source_weights": [round(x, 6) for x in self.weights],
+                "source_caps": {n: dict(c) for n, c in self.caps.items()}}
 
     def epoch_stats(self) -> dict:
         """DurationBucketSampler's statistics, plus ``source_utterances`` {name: count} of the plan."""
@@ -124,6 +216,42 @@ class WeightedMixSampler(ShardWindowSampler):
             self._source_stats = (key, {n: int(c) for n, c in zip(self.names, counts)})
         stats["source_utterances"] = dict(self._source_stats[1])
         return stats
+
+
+CAP_KINDS = ("epochs", "hours")
+
+
+def _check_caps(caps, names: Sequence[str]) -> dict:
+    """``{name: {kind: x}}`` checked: a known source, one kind of :data:`CAP_KINDS`, ``x > 0``."""
+    out = {}
+    for name, cap in dict(caps or {}).items():
+        cap = dict(cap) if isinstance(cap, Mapping) else cap
+        if str(name) not in names:
+            raise ValueError(f"source_caps names {name!r}, which is not a training source ({', '.join(names)})")
+        if not isinstance(cap, dict) or len(cap) != 1 or next(iter(cap)) not in CAP_KINDS:
+            raise ValueError(f"source_caps[{name!r}] must be {{epochs: x}} or {{hours: x}}, got {cap!r}")
+        (kind, x), = cap.items()
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+            raise ValueError(f"source_caps[{name!r}].{kind} must be a number > 0, got {x!r}")
+        out[str(name)] = {kind: float(x)}
+    return out
+
+
+def mix_shares(base: Sequence[float], temperature: float = 1.0) -> np.ndarray:
+    """Sampling shares ``b^(1/T) / sum(b^(1/T))`` (the module docstring); ``b = 0`` stays 0, and
+    ``temperature = inf`` is uniform over the sources with ``b > 0``.
+
+    Raises:
+        ValueError: a ``b`` < 0 or not finite, all ``b`` 0, or ``temperature <= 0``.
+    """
+    b = np.asarray(base, dtype=np.float64)
+    if not np.isfinite(b).all() or (b < 0).any() or b.sum() <= 0:
+        raise ValueError(f"mixing weights must be finite, >= 0 and not all 0, got {b.tolist()}")
+    if not temperature > 0:
+        raise ValueError(f"mix_temperature must be > 0, got {temperature!r}")
+    # normalised first, so b^(1/T) of large sizes at small T stays in range
+    p = np.where(b > 0, (b / b.max()) ** (1.0 / float(temperature)), 0.0)
+    return p / p.sum()
 
 
 def _largest_remainder(target: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -221,8 +349,13 @@ class Sources:
         if train and self.names is not None:
             weights = [cfg.train_weights.get(n, 0.0) for n in self.names] if cfg.train_weights else \
                 [float(np.sum(self.sources == s)) for s in range(len(self.names))]
+            if cfg.mix_temperature != 1:  # T = 1 keeps the weights as given (exactly: no rounding)
+                weights = mix_shares(weights, cfg.mix_temperature).tolist()
             return WeightedMixSampler(durations, self.sources, weights, self.names, shards=self.shards,
-                                      window_shards=window, **kwargs)
+                                      window_shards=window, caps=cfg.source_caps, seconds=self.durations, **kwargs)
+        if train and cfg.source_caps:
+            raise DataError(f"data.source_caps needs named training sources (data.train_sources), "
+                            f"got {sorted(cfg.source_caps)}")
         return ShardWindowSampler(durations, shards=self.shards, window_shards=window,
                                   sources=self.sources if self.names is not None else None, **kwargs)
 
