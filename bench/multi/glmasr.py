@@ -39,6 +39,8 @@ sys.path.insert(0, BENCH)
 import bench_glmasr as bg  # noqa: E402
 from measure import world  # noqa: E402
 
+from ddptrain.dist import teardown  # noqa: E402
+
 
 def shard_bench_glmasr(rank: int, world_size: int, local: int) -> None:
     """Points bench_glmasr's one-GPU set-up at this rank: its device (bench_glmasr builds on the
@@ -106,9 +108,7 @@ def main(argv=None) -> int:
             f.write(json.dumps(combine(rows, world_size)) + "\n")
         print("RESULT", json.dumps({k: combine(rows, world_size)[k] for k in (
             "peer", "world_size", "samples_per_s", "mfu", "peak_alloc_gb_per_gpu")}), flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    teardown()  # a collection before the group goes: gloo can abort at exit otherwise (ddptrain/dist.py)
     return 0
 
 
