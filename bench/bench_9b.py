@@ -13,6 +13,11 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
   ``image_grid_thw``, ``mm_token_type_ids``).
 * ``lora_hf_peft``: the same model, batch, LoRA targets and rank through ``transformers.Trainer``
   + ``peft`` (bf16, gradient checkpointing, fused AdamW, the model's own loss over full logits).
+  Both peers adapt the same 240 decoder layers (never the vision tower, whose attention is
+  ``attn.qkv`` / ``attn.proj``): each job checks its targets select the layers the other's do
+  (:func:`lora_layers`) and that it trains their ``r (in + out)`` adapter parameters (47.6M), and
+  its row records ``num_trainable``, counted before DeepSpeed ZeRO-3 partitions the parameters
+  (after it, ``numel()`` is 0 for all but those under its persistence threshold: 21.3M).
 * ``full3b_ddptrain``: a full fine-tune of a ~3.2B GLM-shaped text decoder (24 layers, 3072-d,
   8192 FFN, the same vocabulary) on one GPU through the masters path (bf16 weights, fp32 masters).
 * ``full9b_zero`` / ``full9b_zero2``: the 10B full fine-tune on 4 / 2 GPUs (ZeRO with sharded
@@ -44,8 +49,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -67,6 +74,7 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 
 TOKENS = {"image_start": 151339, "image_end": 151340, "image": 151343, "video": 151344}
 LORA_TARGETS = ["*language_model.layers.*.self_attn.[qkvo]_proj", "*language_model.layers.*.mlp.*_proj"]
 PEFT_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate_up|down)_proj)"
+LORA_RANK, LORA_ALPHA = 16, 32
 
 # shapes by preset: "real" (the GPU) and "tiny" (the CPU dry run, same code paths)
 TEXT = {"real": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
@@ -159,6 +167,34 @@ def build(job: dict, preset: str, dev: torch.device) -> nn.Module:
         torch.set_default_dtype(old)
 
 
+def lora_layers(model: nn.Module) -> list[str]:
+    """The linear layers both peers adapt: ddptrain's globs (fnmatch, as ddptrain/lora.py matches)
+    and peft's regex (``re.fullmatch`` of a string ``target_modules``, as peft matches it).
+
+    Raises:
+        ValueError: the two select different layers (the comparison would train different jobs).
+    """
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    ours = [n for n in linears if any(fnmatch.fnmatchcase(n, g) for g in LORA_TARGETS)]
+    theirs = [n for n in linears if re.fullmatch(PEFT_TARGETS, n)]
+    if ours != theirs:
+        raise ValueError(f"LORA_TARGETS and PEFT_TARGETS select different layers: only ddptrain's "
+                         f"{sorted(set(ours) - set(theirs))[:6]}, only peft's {sorted(set(theirs) - set(ours))[:6]}")
+    return ours
+
+
+def lora_trainable(model: nn.Module) -> int:
+    """Adapter parameters of :func:`lora_layers` at ``LORA_RANK``: ``r (in + out)`` a layer (no biases)."""
+    layers = dict(model.named_modules())
+    return sum(LORA_RANK * (layers[n].in_features + layers[n].out_features) for n in lora_layers(model))
+
+
+def check_trainable(peer: str, got: int, want: int) -> None:
+    """Refuse a row whose peer trains another number of parameters than the shared targets give."""
+    if got != want:
+        raise RuntimeError(f"{peer} trains {got:,} parameters, the shared LoRA targets {want:,}: not the same job")
+
+
 def make_batch(cfg, preset: str, dev: torch.device, vision: bool, seq: int = 0) -> dict:
     """One sequence: 16 prompt tokens, then (with ``vision``) an image block, then text; the loss
     is on the text after the image. Token ids avoid the special ids."""
@@ -235,7 +271,8 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
           "logging.tensorboard=false", "logging.progress_bar=false", "logging.log_every=100000", "optim.lr=1e-4",
           "recompute.enabled=true", "recompute.module_classes=[Glm4vTextDecoderLayer]", "checkpoint.start_over=true"]
     if job["lora"]:
-        ov += ["lora.enabled=true", f"lora.targets={json.dumps(LORA_TARGETS)}", "lora.rank=16", "lora.alpha=32"]
+        ov += ["lora.enabled=true", f"lora.targets={json.dumps(LORA_TARGETS)}", f"lora.rank={LORA_RANK}",
+               f"lora.alpha={LORA_ALPHA}"]
     if job.get("zero"):
         ov.append("optim.zero=true")
     if job.get("stream"):  # the frozen decoder layers live in pinned host memory, streamed one ahead
@@ -245,11 +282,15 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
     cfg = ddptrain.load_config(None, ov)
     info = ddptrain.setup_distributed(cfg)
     dev = info.device
-    model = WithLoss(build(job, preset, dev))
+    base = build(job, preset, dev)
+    want = lora_trainable(base) if job["lora"] else None  # the peft peer's count: the same layers
+    model = WithLoss(base)
     mcfg = glm4v_config(preset, with_vision=job["model"] == "9b")
     batch = make_batch(mcfg, preset, dev, vision=job["model"] == "9b", seq=job.get("seq", 0))
     mem_reset()
     trainer = ddptrain.Trainer(model, lambda m, b: m(**b), cfg, [batch] * (warmup + steps))
+    if want is not None:
+        check_trainable("ddptrain", sum(p.numel() for p in trainer.module.parameters() if p.requires_grad), want)
     times = []
     for i in range(warmup + steps):
         sync()
@@ -275,9 +316,17 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     cap_gpu_memory(GPU_MEMORY_GB)
+    from peft.tuners.lora import LoraLayer
+
     mcfg = glm4v_config(preset)
-    model = get_peft_model(build(job, preset, dev), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                               target_modules=PEFT_TARGETS))
+    base = build(job, preset, dev)
+    want = lora_trainable(base)
+    model = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                            target_modules=PEFT_TARGETS))
+    # counted now: DeepSpeed ZeRO-3 empties partitioned parameters (numel() 0) when training starts
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    check_trainable("peft", trainable, want)
+    adapted = sum(isinstance(m, LoraLayer) for m in model.modules())
     batch = make_batch(mcfg, preset, torch.device("cpu"), vision=True, seq=job.get("seq", 0))
     times, marks = [], {}
     extra_args = {}
@@ -313,9 +362,8 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 
     mem_reset()
     Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Clock()]).train()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
-                step_flops(mcfg, batch, True, True), {"num_trainable": trainable})
+                step_flops(mcfg, batch, True, True), {"num_trainable": trainable, "adapted_layers": adapted})
 
 
 GPU_MEMORY_GB = float(os.environ.get("BENCH_GPU_MEMORY_GB", "0") or 0)  # --gpu-memory-gb, through the env to each job
