@@ -29,7 +29,9 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
 
 Every row: tokens/s, step time, MFU (analytic FLOPs below, recompute not counted), peak GPU
 memory (of every GPU: ``peak_alloc_gib_per_gpu``), and the model-state estimate of
-``ddptrain.memory`` beside the measured allocation.
+``ddptrain.memory`` beside the measured allocation. ``--profile [N]`` (ddptrain jobs): then N (3)
+steps under torch.profiler (``bench/profiling.py``: kernel time by category, GPU idle share,
+host time per step, the floor at zero host time and MFU there) in the row's ``profile``.
 Workload names contain "glm4v"/"9b" as BENCHMARKS.md expects.
 
     python3 bench/bench_9b.py plan --out "$OUT/glm4v_9b.jsonl"            # the one-H200 plan (~7 min)
@@ -50,6 +52,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -69,6 +72,8 @@ import ddptrain  # noqa: E402
 from ddptrain.losses import causal_lm_loss  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
 from measure import append_row, cap_gpu_memory, gather, mem_reset, peak_gb, sync, world  # noqa: E402
+from profiling import diagnose  # noqa: E402
+from profiling import summary as profile_summary  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}
 TOKENS = {"image_start": 151339, "image_end": 151340, "image": 151343, "video": 151344}
@@ -263,7 +268,7 @@ def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
             "gpu_memory_gb": GPU_MEMORY_GB or None, **extra}
 
 
-def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
+def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str, profile: int = 0) -> dict:
     from ddptrain.memory import estimate_model_state
 
     ov = [f"trainer.output_dir={tmp}/{job_name}", "trainer.precision=bf16", "trainer.param_dtype=bf16",
@@ -299,15 +304,20 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
         sync()
         times.append(time.perf_counter() - t0)
     at_rest = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0  # grads freed after the step
+    flops = step_flops(mcfg, batch, job["lora"], job["model"] == "9b")
+    # --profile: `profile` more steps under torch.profiler after one unprofiled (bench/profiling.py)
+    diag = diagnose({"profile": bool(profile), "profile_steps": profile}, lambda b: trainer.train_step([b]),
+                    itertools.repeat(batch), flops_of=lambda b: flops)
+    if "profile" in diag and world()[0] == 0:
+        print("PROFILE", job_name, json.dumps(profile_summary(diag["profile"])), flush=True)
     est = estimate_model_state(trainer.module, cfg, info.world_size)
     extra = {"loss_per_token": out["loss_sum"] / max(out["units"], 1), "num_params": est["num_params"],
              "num_trainable": est["num_trainable"], "model_state_at_rest_gib": round(at_rest, 2),
              "estimate_at_rest_gib": round((est["params"] + est["masters"] + est["optimizer"]) / 2**30, 2),
              "estimate_total_gib": round((est["total"] + est["master_grads"]) / 2**30, 2),
-             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed)}
+             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed), **diag}
     trainer.close()
-    return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
-                step_flops(mcfg, batch, job["lora"], job["model"] == "9b"), extra)
+    return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(), flops, extra)
 
 
 def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
@@ -369,7 +379,9 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 GPU_MEMORY_GB = float(os.environ.get("BENCH_GPU_MEMORY_GB", "0") or 0)  # --gpu-memory-gb, through the env to each job
 
 
-def run_job(name: str, preset: str, out: str, tmp: str) -> int:
+def run_job(name: str, preset: str, out: str, tmp: str, profile: int = 0) -> int:
+    """One job in this process; ``profile``: that many steps profiled after the timed ones
+    (ddptrain jobs)."""
     job = JOBS[name][0]
     warmup, steps = (2, 5) if preset == "real" else (1, 2)
     try:
@@ -382,7 +394,7 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
                 return 0
             row = run_hf_peft(name, job, preset, warmup, steps, tmp)
         else:
-            row = run_ddptrain(name, job, preset, warmup, steps, tmp)
+            row = run_ddptrain(name, job, preset, warmup, steps, tmp, profile)
     except Exception as e:  # an error row, and exit status 1 (bench/gpu_session.py's convention)
         append_row(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
                       "gpu_memory_gb": GPU_MEMORY_GB or None, "error": f"{type(e).__name__}: {e}"[:2000]})
@@ -394,7 +406,7 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
     return 0
 
 
-def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
+def run_plan(jobs: list[str], dry: bool, out: str, tmp: str, profile: int = 0) -> int:
     """Each job in its own process with a hard timeout; the dry run runs them tiny on CPU (the
     multi-GPU job on 2 gloo ranks)."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
@@ -409,6 +421,7 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
         launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
                   "--master_port=29531"] if n > 1 else [sys.executable]
         cmd = launch + [os.path.abspath(__file__), "job", name, "--out", out, "--tmp", tmp] + (["--dry"] if dry else [])
+        cmd += [f"--profile={profile}"] if profile else []
         job_env = dict(env)
         if JOBS[name][0].get("ds3_offload") and n == 1:  # DeepSpeed wants a process group: torchrun's env of one rank
             job_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29532", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -451,6 +464,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="results file (JSON lines, appended)")
     p.add_argument("--tmp", default="/tmp/bench_9b", help="scratch folder for run folders")
     p.add_argument("--gpu-memory-gb", type=float, default=0.0, help="cap every job's GPU memory at this many GiB")
+    p.add_argument("--profile", type=int, nargs="?", const=3, default=0,
+                   help="ddptrain jobs: then profile N (3) steps (bench/profiling.py: kernel time, idle, host, floor)")
     args = p.parse_args(argv)
     if args.gpu_memory_gb:
         global GPU_MEMORY_GB
@@ -465,12 +480,12 @@ def main(argv=None) -> int:
     if args.what == "job":
         if args.job not in JOBS:
             p.error(f"unknown job {args.job!r}: one of {', '.join(JOBS)}")
-        return run_job(args.job, "tiny" if args.dry else "real", args.out, args.tmp)
+        return run_job(args.job, "tiny" if args.dry else "real", args.out, args.tmp, args.profile)
     jobs = args.jobs.split(",")
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
         p.error(f"unknown jobs {unknown}: {', '.join(JOBS)}")
-    return run_plan(jobs, args.dry, args.out, args.tmp)
+    return run_plan(jobs, args.dry, args.out, args.tmp, args.profile)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ compile caches do not leak between them.
   MiniCPM layers compiled (regional, dynamic shapes); ``ddptrain_best_md320``: + 320 padded
   latent seconds per batch over 10 buckets (the 4.10x row of BENCHMARKS.md). More variants:
   ``--ov NAME=k=v,k=v``.
+* ``--profile`` (ddptrain peers): after the timed steps, ``--profile-steps`` steps over the last
+  timed batches under torch.profiler (``bench/profiling.py``): kernel time by category, GPU idle
+  share, host time per step, the floor (kernel time at zero host time) and MFU there; ``--gaps``
+  what the host did in the longest GPU idle gaps.
 
 Several GPUs (issue 22): ``--nproc N`` runs each ddptrain peer under torchrun, every rank on its
 share of the batch plan (latents encoded once, each rank a share); the row sums throughput over
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -68,6 +73,8 @@ from flops import PEAK_BF16  # noqa: E402
 from models.train_flops import VoxCpmFlops as Flops  # noqa: E402
 from measure import (Interleave, TimedLoss, append_row, cap_gpu_memory, device, mem_reset,  # noqa: E402
                      named_peers, peak_gb, peer_row, sync, world)
+from profiling import diagnose  # noqa: E402
+from profiling import summary as profile_summary  # noqa: E402
 
 # lognormal durations (median 5 s, clipped 1-15 s), ~3.5 text ids a second of audio
 CORPUS = SyntheticCorpus(median_s=5.0, sigma=0.5, min_s=1.0, max_s=15.0, tokens_per_s=3.5, token_jitter=0.2,
@@ -277,12 +284,18 @@ def run_ddptrain(args) -> dict:
         return {"n": b, "audio_s": float(sum(d[int(i)] for i in batch["ids"])), "flops": flops(b, s), "real": real,
                 "padded": b * s}
 
-    timed = TimedLoss(ft.TTSObjective(), stats)
+    timed = TimedLoss(ft.TTSObjective(), stats, keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
     mem_reset()
     trainer = ddptrain.Trainer(model, timed, cfg, loader)
     trainer.fit()
     sync()
     elapsed, timed_stats, _ = timed.window(w, n, end=time.perf_counter())
+    # every rank steps (a step is collective); the row carries rank 0's profile
+    diag = diagnose({"profile": args.profile, "gaps": args.gaps, "profile_steps": args.profile_steps},
+                    lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent)),
+                    flops_of=lambda b: stats(b)["flops"])
+    if "profile" in diag and rank == 0:
+        print("PROFILE", args.peer, json.dumps(profile_summary(diag["profile"])), flush=True)
     mine = {"elapsed": elapsed, "stats": timed_stats, "peak": peak_gb(), "prepare_s": prepare_s}
     every = [mine]
     if ws > 1:
@@ -298,7 +311,8 @@ def run_ddptrain(args) -> dict:
                       "as_world": args.as_world, "utterances": args.utterances,
                       "samples_per_s_per_rank": [sum(s["n"] for s in e["stats"]) / e["elapsed"] for e in every],
                       "loss": logged[-1]["loss"] if logged else None,
-                      "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"]},
+                      "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"],
+                      **diag},
                      world_size=ws, peaks=[e["peak"] for e in every])
 
 
@@ -327,6 +341,10 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=1, help="GPUs per ddptrain peer (torchrun)")
     p.add_argument("--as-world", type=int, default=1, help="one GPU trained on the batches of an N-GPU run")
     p.add_argument("--gpu-memory-gb", type=float, default=0.0, help="cap every peer's GPU memory at this many GiB")
+    p.add_argument("--profile", action="store_true",
+                   help="ddptrain peers: then profile a few steps (bench/profiling.py: kernel time, idle, host, floor)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps --profile profiles (after one more unprofiled)")
+    p.add_argument("--gaps", action="store_true", help="ddptrain peers: what the host did in the longest GPU idle gaps")
     p.add_argument("--peer", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--tmp", default="")
@@ -361,7 +379,8 @@ def main(argv=None) -> int:
             cmd = launch + [os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
                             "--batch", str(args.batch), "--max-duration", str(args.max_duration), "--utterances",
                             str(args.utterances), "--warmup", str(args.warmup), "--steps", str(args.steps),
-                            "--as-world", str(args.as_world), "--gpu-memory-gb", str(args.gpu_memory_gb)]
+                            "--as-world", str(args.as_world), "--gpu-memory-gb", str(args.gpu_memory_gb),
+                            "--profile-steps", str(args.profile_steps)] + ["--profile"] * args.profile + ["--gaps"] * args.gaps
             cmd += ["--dry"] * args.dry + [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1" if args.dry else "4"))
             if any("optim.offload=cpu" in o for o in OVERRIDES.get(peer, [])) and "OMP_NUM_THREADS" not in os.environ:

@@ -34,6 +34,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
+from profile_table import read_rows
+from profile_table import table as profile_table
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -208,7 +211,32 @@ def b9(label, gpus, job, timeout):
 VOX = ["bench_voxcpm.py", "--peer", "ddptrain_best_md320", "--utterances", "3200", "--warmup", "5", "--steps", "10",
        "--row", "{rows}", "--tmp", "{tmp}"]
 
+# issue 31 item 1: a profile of every workload's ddptrain best after its timed steps (kernel time
+# by category, GPU idle share, host time, the floor at zero host time); fewer timed steps than
+# the throughput plans, enough warm-up to compile the shapes the profiled steps replay
+PROF_GLM = ["--warmup", "24", "--steps", "8", "--out", "{rows}", "--tmp", "{tmp}", "--profile"]
+PROF_VOX = ["bench_voxcpm.py", "--peer", "ddptrain_best_md320", "--utterances", "1000", "--warmup", "5", "--steps",
+            "8", "--row", "{rows}", "--tmp", "{tmp}", "--profile"]
+
 SCRIPT_PLANS = {
+    # (issue 31) the profiles, bench/run.py jobs and scripts mixed, in the issue's order of value.
+    # Each job's start, compile, steps and profile on a fresh H200, from the rows' wall times
+    # (calls s7e, s8c, s9b, 21b, 24) less the steps left out: VoxCPM ~70 s (1,000 utterances
+    # encoded in ~18 s), GLM-ASR cut ~85 s, 30 s windows ~80 s, 9B LoRA ~60 s (not timed
+    # before: a guess), Whisper ~55 s, wav2vec2 ~90 s (its cold compile): ~440 s of 530; a
+    # job the budget cuts short is the last, the least valuable. Timeouts leave each ~1.7x.
+    # One H200; the table: python3 bench/profile_table.py $OUT/results.jsonl (printed at the end).
+    #   python3 bench/gpu_session.py profile1 --out $OUT --budget 530 --no-calib
+    "profile1": [
+        [Script("vox_prof", "0", PROF_VOX, 140, ["--dry"]),
+         Script("glm_cut_prof", "0", ["multi/glmasr.py", "--peer", "ddptrain_bf16_compile_cut", *PROF_GLM], 150,
+                GLM_DRY),
+         Script("glm_win30_prof", "0", ["multi/glmasr.py", "--peer", GLM_DDP, *PROF_GLM], 140, GLM_DRY),
+         Script("b9_lora_prof", "0", ["bench_9b.py", "job", "lora_ddptrain", "--out", "{rows}", "--tmp", "{tmp}",
+                                      "--profile"], 150, ["--dry"]),
+         Job("wh_prof", "0", "whisper", [wh("ddptrain_b24", profile=True)], 150, steps=6),
+         Job("w2v_prof", "0", "wav2vec2", [w2v("ddptrain_500", profile=True)], 160, steps=8)],
+    ],
     # (a, b) GLM-ASR on 1 and 2 GPUs, both peers; then the 10B full fine-tune on 2 GPUs (the
     # estimate: 10 B/param of model state + 2 B/param of master gradients = 123.5 GB of 150).
     # Two H200s, ~6 minutes.
@@ -522,6 +550,10 @@ def main(argv=None) -> int:
         shutil.rmtree(done, ignore_errors=True)
     print(f"total {time.time() - t0:.0f}s, {failed} job(s) failed")
     print(table(os.path.join(a.out, "results.jsonl")))
+    results = os.path.join(a.out, "results.jsonl")
+    rows = read_rows([results]) if os.path.exists(results) else []
+    if any("profile" in r for r in rows):
+        print("\nprofiles (bench/profile_table.py):\n" + profile_table(rows))
     return 1 if failed else 0
 
 
