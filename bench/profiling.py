@@ -14,6 +14,7 @@ import time
 import warnings
 
 import torch
+from torch.autograd import DeviceType
 
 from flops import PEAK_BF16
 from measure import sync
@@ -130,7 +131,6 @@ def profile_steps(step_fn, batches: list, flops: list | None = None) -> dict:
         flops: model FLOPs of each batch (None: no MFU): adds ``mfu_profiled`` and
             ``mfu_at_floor`` (per GPU, against ``flops.PEAK_BF16``).
     """
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -141,44 +141,52 @@ def profile_steps(step_fn, batches: list, flops: list | None = None) -> dict:
             step_fn(b)
         sync()
         wall = time.perf_counter() - t0
-    n = len(batches)
+    if cuda:
+        return step_times(prof.profiler.kineto_results.events(), wall, len(batches), flops)
+    # the CPU: aten ops' self times stand in for kernels
+    ops = [(e.key, e.self_cpu_time_total * 1e3, e.count) for e in prof.key_averages() if e.key.startswith("aten::")]
+    return step_times([], wall, len(batches), flops, cpu_ops=ops)
+
+
+def step_times(events, wall: float, n: int, flops: list | None = None, cpu_ops: list | None = None) -> dict:
+    """:func:`profile_steps`' report from the profiler's kineto events (``name()``,
+    ``device_type()``, ``start_ns()``, ``duration_ns()``) of ``n`` steps that took ``wall``
+    seconds, or on the CPU from ``cpu_ops``: ``(aten op, self ns, calls)``."""
     wall_ns = wall * 1e9
     cats, names, runtime, kernels, waits = {}, {}, {}, [], []
-    if cuda:
-        for e in prof.profiler.kineto_results.events():
-            dur, k = e.duration_ns(), e.name()
-            if e.device_type() == DeviceType.CUDA:
-                if k.startswith("##"):  # a region annotated on the GPU's timeline, not a kernel
-                    continue
-                kernels.append((e.start_ns(), e.start_ns() + dur, len(kernels), k[:80]))
-                c = categorize(k)
-                cats[c] = cats.get(c, 0) + dur
-                t, m = names.get(k[:120], (0, 0))
-                names[k[:120]] = (t + dur, m + 1)
-            elif any(w in k for w in WAITS):
-                t, m = runtime.get(k, (0, 0))
-                runtime[k] = (t + dur, m + 1)
-                waits.append((e.start_ns(), e.start_ns() + dur, 0))
-        if not kernels:
-            return {"wall_ms_per_step": wall * 1e3 / n, "note": "no CUDA events"}
+    for e in events:
+        dur, k = e.duration_ns(), e.name()
+        if e.device_type() == DeviceType.CUDA:
+            if k.startswith("##"):  # a region annotated on the GPU's timeline, not a kernel
+                continue
+            kernels.append((e.start_ns(), e.start_ns() + dur, len(kernels), k[:80]))
+            c = categorize(k)
+            cats[c] = cats.get(c, 0) + dur
+            t, m = names.get(k[:120], (0, 0))
+            names[k[:120]] = (t + dur, m + 1)
+        elif any(w in k for w in WAITS):
+            t, m = runtime.get(k, (0, 0))
+            runtime[k] = (t + dur, m + 1)
+            waits.append((e.start_ns(), e.start_ns() + dur, 0))
+    if cpu_ops is not None:
+        for k, dur, calls in cpu_ops:
+            c = categorize(k)
+            cats[c] = cats.get(c, 0) + dur
+            names[k] = (dur, calls)
+        busy, gaps, span, waited = sum(cats.values()), [], wall_ns, 0
+    elif not kernels:
+        return {"wall_ms_per_step": wall * 1e3 / n, "note": "no CUDA events"}
+    else:
         busy, gaps = _union_ns([(s, e, i) for s, e, i, _ in kernels])
         span = max(e for _, e, _, _ in kernels) - min(s for s, _, _, _ in kernels)
         waited = _union_ns(waits)[0]
-    else:  # the CPU: aten ops' self times stand in for kernels
-        for e in prof.key_averages():
-            if e.key.startswith("aten::"):
-                dur = e.self_cpu_time_total * 1e3  # us -> ns
-                c = categorize(e.key)
-                cats[c] = cats.get(c, 0) + dur
-                names[e.key] = (dur, e.count)
-        busy, gaps, span, waited = sum(cats.values()), [], wall_ns, 0
     total = sum(cats.values())
     floor = total / 1e6 / n
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:15]
     by_size = sorted(cats.items(), key=lambda kv: -kv[1])
     gaps = sorted(((g, kernels[a][3], kernels[b][3]) for g, a, b in gaps), key=lambda g: -g[0])
     out = {
-        "steps": n, "kernels": "cuda" if cuda else "cpu aten ops (self time)",
+        "steps": n, "kernels": "cpu aten ops (self time)" if cpu_ops is not None else "cuda",
         "wall_ms_per_step": wall * 1e3 / n, "kernel_ms_per_step": floor,
         "gpu_span_ms_per_step": span / 1e6 / n, "gpu_busy_ms_per_step": busy / 1e6 / n,
         "gpu_busy_frac_of_wall": busy / wall_ns, "gpu_idle_frac_of_wall": 1 - busy / wall_ns,

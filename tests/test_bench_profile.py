@@ -57,6 +57,46 @@ def test_profile_reports_kernel_time_idle_host_and_the_floor_on_cpu():
     assert set(profiling.summary(p)) >= {"wall_ms_per_step", "floor_ms", "floor_ratio", "top_categories_ms"}
 
 
+class Event:
+    """A kineto event as profile_steps reads it (name, device, start and duration in ns)."""
+
+    def __init__(self, name, cuda, start, dur):
+        self._name, self._cuda, self._start, self._dur = name, cuda, start, dur
+
+    def name(self):
+        return self._name
+
+    def device_type(self):
+        return torch.autograd.DeviceType.CUDA if self._cuda else torch.autograd.DeviceType.CPU
+
+    def start_ns(self):
+        return self._start
+
+    def duration_ns(self):
+        return self._dur
+
+
+def test_gpu_step_times_from_kineto_events():
+    """Two steps in 10 ms of wall time: 4 ms of kernels (one idle gap of 2 ms), the host 5 ms in
+    a sync and a blocking copy that overlap by 1 ms."""
+    ms = 1_000_000
+    events = [Event("nvjet_sm90_tst_128x256_gemm", True, 0, 3 * ms), Event("triton_poi_fused_add", True, 5 * ms, ms),
+              Event("## Call CompiledFxGraph abc ##", True, 0, 6 * ms),  # an annotation, not a kernel
+              Event("cudaLaunchKernel", False, 0, ms // 100),  # the host's own work
+              Event("cudaStreamSynchronize", False, 4 * ms, 3 * ms), Event("cudaMemcpyAsync", False, 6 * ms, 3 * ms)]
+    p = profiling.step_times(events, wall=0.010, n=2, flops=[2e12, 2e12])
+    assert p["kernel_ms_per_step_by_category"] == {"gemm": 1.5, "elementwise/other": 0.5}
+    assert p["floor_ms"] == p["kernel_ms_per_step"] == pytest.approx(2.0) and p["floor_ratio"] == pytest.approx(2.5)
+    assert p["gpu_busy_frac_of_wall"] == pytest.approx(0.4) and p["gpu_idle_frac_of_wall"] == pytest.approx(0.6)
+    assert p["host_wait_ms_per_step"] == pytest.approx(2.5) and p["host_ms_per_step"] == pytest.approx(2.5)
+    assert p["largest_idle_gaps"] == [{"ms": 2.0, "after": "nvjet_sm90_tst_128x256_gemm",
+                                       "before": "triton_poi_fused_add"}]
+    assert p["runtime_calls_per_step"] == {"cudaStreamSynchronize": {"calls": 0.5, "ms": 1.5},
+                                           "cudaMemcpyAsync": {"calls": 0.5, "ms": 1.5}}
+    assert p["mfu_at_floor"] == pytest.approx(2e12 / 2e-3 / PEAK_BF16)
+    assert profiling.step_times(events[3:], 0.01, 2) == {"wall_ms_per_step": 5.0, "note": "no CUDA events"}
+
+
 def test_diagnose_warms_up_on_the_first_batch_and_reads_flops_from_stats():
     seen = []
     batches = [{"x": torch.ones(2), "stats": {"flops": float(i)}} for i in range(4)]
