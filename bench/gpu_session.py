@@ -15,7 +15,7 @@ friends). The exit status is 1 when an experiment failed or a job timed out.
 The plans below are the current ones, one per question of BENCHMARKS.md; the plans that
 produced the older rows (call1 ... call24) are in git history (``git show 7d7474f:bench/gpu_session.py``).
 ``PLANS`` hold ``bench/run.py`` experiments; ``SCRIPT_PLANS`` launch the other bench scripts
-(GLM-ASR, the 9B model, VoxCPM), each job one process (or torchrun) that appends its own rows.
+(GLM-ASR, the 9B model, VoxCPM-1.5 and VoxCPM2), each job one process (or torchrun) that appends its own rows.
 bench/MULTI_GPU_PLAN.md says which plan to run on which machine, in what order.
 """
 
@@ -218,6 +218,18 @@ PROF_GLM = ["--warmup", "24", "--steps", "8", "--out", "{rows}", "--tmp", "{tmp}
 PROF_VOX = ["bench_voxcpm.py", "--peer", "ddptrain_best_md320", "--utterances", "1000", "--warmup", "5", "--steps",
             "8", "--row", "{rows}", "--tmp", "{tmp}", "--profile"]
 
+# VoxCPM2 (item 5): upstream's step vs ddptrain on one GPU, each job one bench_voxcpm.py process running
+# its peer in a subprocess (an out-of-memory peer leaves an error row, the bench's timeout 10 s inside the
+# job's); 640 utterances so upstream's 11 steps of 32 stay in one epoch; upstream 3 + 8 steps, ddptrain 5 + 10
+V2 = ["bench_voxcpm.py", "--arch", "voxcpm2", "--utterances", "640", "--out", "{rows}"]
+V2_UP, V2_DDP = ["--warmup", "3", "--steps", "8", "--grad-accum", "1"], ["--warmup", "5", "--steps", "10"]
+
+
+def v2(label, peer, timeout, *more):
+    return Script(label, "0", V2 + ["--peers", peer, "--timeout", str(timeout - 10), *more], timeout,
+                  ["--dry", "--inline"])
+
+
 SCRIPT_PLANS = {
     # (issue 31) the profiles, bench/run.py jobs and scripts mixed, in the issue's order of value.
     # Each job's start, compile, steps and profile on a fresh H200, from the rows' wall times
@@ -252,6 +264,24 @@ SCRIPT_PLANS = {
         [glm("glm_ddp1", "0", GLM_DDP, 200), glm("glm_ds1", "1", GLM_DS2, 170),
          glm("glm_ddp2", "2,3", GLM_DDP, 200), glm("glm_ds2", "2,3", GLM_DS2, 170)],
         [glm("glm_ddp4", "0,1,2,3", GLM_DDP, 220), glm("glm_ds4", "0,1,2,3", GLM_DS2, 190)],
+    ],
+    # VoxCPM2 (2.29B, issue 32 item 5) on one H200, in order of value: full fine-tuning (ddptrain's best
+    # against upstream at the largest batch its memory plausibly holds, then 16), LoRA (upstream's r 32
+    # alpha 32 against configs/tts_voxcpm2_lora.yaml), then a 24 GB card (23 GiB cap): ddptrain with the
+    # optimizer on the host and recompute against upstream at batch 1 (its fp32 weights, gradients and
+    # AdamW are 16 B/param = 36.6 GB: expected out of memory, the row says so). Seconds estimated from
+    # the VoxCPM-1.5 rows (bench/results/*voxcpm*) x ~2.5 per step; memory from saved-activation bytes
+    # per LM position measured on CPU (VoxCPM-1.5 9.7 MB, which reproduces its 37.3 GB upstream b16 row;
+    # VoxCPM2 18.4 MB): upstream b32 ~130 of 150 GB. ~510 s in all.
+    #   python3 bench/gpu_session.py voxcpm2 --out $OUT --budget 540 --no-calib
+    "voxcpm2": [
+        [v2("v2_ddp", "ddptrain_best_md320", 200, *V2_DDP),  # ~100 s (compile ~50 s), ~92 GB
+         v2("v2_up_b32", "upstream", 130, "--batch", "32", *V2_UP),  # ~75 s
+         v2("v2_up_b16", "upstream", 100, "--batch", "16", *V2_UP)],  # ~50 s, ~85 GB
+        [v2("v2_lora_ddp", "ddptrain_lora_md320", 170, *V2_DDP),  # ~90 s
+         v2("v2_lora_up_b32", "upstream_lora", 100, "--batch", "32", *V2_UP)],  # ~50 s, ~100 GB
+        [v2("v2_24gb_ddp", "ddptrain_offload_rc_md320", 190, "--gpu-memory-gb", "23", "--warmup", "3", "--steps", "8"),  # ~115 s
+         v2("v2_24gb_up_b1", "upstream", 60, "--batch", "1", "--gpu-memory-gb", "23", *V2_UP)],  # ~30 s to its OOM
     ],
     # (b, c) the 10B full fine-tune on 2 and 4 GPUs; VoxCPM on 4 GPUs against one GPU trained on
     # the 4-GPU run's batches (as_world 4). Four H200s, ~5 minutes.
