@@ -278,10 +278,10 @@ SCRIPT_PLANS = {
         [v2("v2_ddp", "ddptrain_best_md320", 200, *V2_DDP),  # ~100 s (compile ~50 s), ~92 GB
          v2("v2_up_b32", "upstream", 130, "--batch", "32", *V2_UP),  # ~75 s
          v2("v2_up_b16", "upstream", 100, "--batch", "16", *V2_UP)],  # ~50 s, ~85 GB
-        [v2("v2_lora_ddp", "ddptrain_lora_md320", 170, *V2_DDP),  # ~90 s
-         v2("v2_lora_up_b32", "upstream_lora", 100, "--batch", "32", *V2_UP)],  # ~50 s, ~100 GB
         [v2("v2_24gb_ddp", "ddptrain_offload_rc_md320", 190, "--gpu-memory-gb", "23", "--warmup", "3", "--steps", "8"),  # ~115 s
          v2("v2_24gb_up_b1", "upstream", 60, "--batch", "1", "--gpu-memory-gb", "23", *V2_UP)],  # ~30 s to its OOM
+        [v2("v2_lora_ddp", "ddptrain_lora_md320", 170, *V2_DDP),  # ~90 s
+         v2("v2_lora_up_b32", "upstream_lora", 100, "--batch", "32", *V2_UP)],  # ~50 s, ~100 GB
     ],
     # (b, c) the 10B full fine-tune on 2 and 4 GPUs; VoxCPM on 4 GPUs against one GPU trained on
     # the 4-GPU run's batches (as_world 4). Four H200s, ~5 minutes.
