@@ -38,7 +38,11 @@ if TYPE_CHECKING:
 
 
 def compile_options(cfg: "CompileConfig") -> dict[str, Any]:
-    """Keyword arguments for ``torch.compile`` from the config section."""
+    """Keyword arguments for ``torch.compile`` from the config section; also sets dynamo's
+    per-function recompile limit (``compile.recompile_limit``), read when a frame recompiles."""
+    # past the limit dynamo runs the frame eagerly without an error; a regional block class used
+    # with several dtypes, flags or shapes reaches torch's default of 8 in the first steps
+    torch._dynamo.config.recompile_limit = int(cfg.recompile_limit)
     dynamic: Optional[bool] = {"auto": None, "true": True, "false": False}[str(cfg.dynamic).lower()]
     if cfg.backend != "inductor":  # modes are inductor options
         return {"backend": cfg.backend, "dynamic": dynamic}

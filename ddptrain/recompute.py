@@ -228,7 +228,9 @@ class _Frame:
                 raise RuntimeError(
                     f"recompute: saved tensor #{i} was {tuple(shape)} {dtype} on {device} in "
                     f"forward but {tuple(t.shape)} {t.dtype} on {t.device} when recomputed (other "
-                    "autocast/precision or control flow between forward and backward?)")
+                    "autocast/precision or control flow between forward and backward? a compiled block "
+                    "that ran eagerly in one of the two because dynamo's recompile limit was reached: "
+                    "raise compile.recompile_limit)")
         out = {i: t for i, t in enumerate(captured) if self.handles[i]() is not None}
         captured.clear()  # the closure above may outlive this call (see capture)
         return out

@@ -186,3 +186,28 @@ def test_compiled_trainer_on_two_ranks_matches_eager(tmp_path, case):
     got = torch.load(tmp_path / "compiled.pt")
     for k, v in params_of(eager).items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _Scaled(nn.Module):
+    """A block class reused with a different Python flag per instance: dynamo guards on the flag,
+    so each instance is its own compiled variant of the one compiled forward."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.lin = k, nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.k
+
+
+@pytest.mark.parametrize("limit,graphs", [(None, 12), (8, 8)])
+def test_recompile_limit_keeps_every_variant_of_a_block_class_compiled(limit, graphs):
+    model = nn.Sequential(*[_Scaled(k) for k in range(1, 13)])
+    cfg = _cfg(module_classes=["_Scaled"]) if limit is None else _cfg(module_classes=["_Scaled"], recompile_limit=limit)
+    apply_compile(model, cfg)
+    assert torch._dynamo.config.recompile_limit == cfg.recompile_limit
+    torch._dynamo.utils.counters.clear()
+    model(torch.randn(2, 4)).sum().backward()
+    # past the limit dynamo runs a block eagerly without an error: torch's default (8) would
+    # leave 4 of these 12 blocks uncompiled, as it left VoxCPM2's MiniCPM layers
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
