@@ -13,6 +13,8 @@
     # VoxCPM2 (hf download openbmb/VoxCPM2 --local-dir /models/VoxCPM2): full, or LoRA r=32 alpha=32
     torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm2_lora.yaml \
         tts.path=/models/VoxCPM2 data.train_manifest=my/train.jsonl
+    # one LoRA adapter per dialect on one base, base replay, a regression gate: docs/dialects.md;
+    # a run in upstream's layouts (a model folder, or a LoRA adapter): examples/export_tts.py
 
 VoxCPM2 is picked as upstream's training script picks it: by ``"architecture": "voxcpm2"`` in
 tts.path's config.json (random init: ``tts.preset=tiny-v2``). Then a manifest line's ``ref_audio``
@@ -31,7 +33,12 @@ flow matching of the latent patches ("diff") plus the stop head's cross-entropy 
 Data: JSONL manifests, NeMo's (``audio_filepath``, ``text``, optional ``duration``/``offset``/``id``)
 or upstream VoxCPM's unchanged (``audio``, ``text``, optional ``duration``, ``ref_audio``,
 ``dataset_id``: passed through to the cached utterances); a missing duration is read from the
-audio header once (ddptrain/data/manifest.py, ``data.fields`` for keys of other names).
+audio header once (ddptrain/data/manifest.py, ``data.fields`` for keys of other names). Named
+sources (``data.train_sources`` / ``data.eval_sources``, e.g. a dialect with the base language
+replayed: docs/dialects.md) are mixed and capped as the library mixes them (``data.train_weights``,
+``data.mix_temperature``, ``data.source_caps``: ddptrain/data/mix.py); evaluation then scores each
+source (``loss/<source>``, ``diff/<source>``, ``stop/<source>``, and ``loss/mean`` over them), which
+keep-best and the regression gate (``eval.baseline``) read.
 The audio is encoded to VAE latents once (examples/tts_cache.py, run here on rank 0 first: a
 no-op when the cache is current; ``python examples/prepare_tts.py`` does it beforehand), so
 training reads small latent files and the VAE never enters the trained module. Batches come
@@ -353,8 +360,8 @@ class TTSCollator:
         return batch
 
 
-def build_loader(data: Utterances | Sequence[CachedUtterance], cfg, tokenizer, layout, train: bool, world_size: int,
-                 rank: int) -> DataLoader:
+def build_loader(utterances: Utterances | Sequence[CachedUtterance], cfg, tokenizer, layout, train: bool,
+                 world_size: int, rank: int) -> DataLoader:
     """Cached utterances -> a bucketed DataLoader of TTS batches; named sources (:func:`read_sources`)
     are mixed as the ``data:`` section says (``data.train_weights`` or their sizes, through
     ``data.mix_temperature``, capped by ``data.source_caps``: ddptrain/data/mix.py), and every
@@ -367,7 +374,7 @@ def build_loader(data: Utterances | Sequence[CachedUtterance], cfg, tokenizer, l
             alone exceeds ``data.max_duration`` or its text alone ``tts.max_text_tokens``; or no
             utterance left.
     """
-    named = data if isinstance(data, Utterances) else Utterances(list(data))
+    named = utterances if isinstance(utterances, Utterances) else Utterances(list(utterances))
     utts = named.utts
     data, t = cfg.data, cfg.tts
     rate = vt.frame_rate(layout.audio_vae_config)

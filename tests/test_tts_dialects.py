@@ -188,8 +188,8 @@ def test_evaluate_scores_each_test_set_with_and_without_the_adapter(corpus, base
     run = tmp_path / "run"
     ft.main(["--config", CONFIG, *cpu_args(corpus, "scots", run, f"tts.path={base}")])
     sets = [corpus["base"]["dev"], corpus["scots"]["train"]]
-    common = ["--recipe", os.path.join(ROOT, "examples", "finetune_tts.py"), "--config", CONFIG,
-              *[a for a in cpu_args(corpus, "scots", run, f"tts.path={base}") if not a.startswith("trainer.output_dir")]]
+    args = [a for a in cpu_args(corpus, "scots", run, f"tts.path={base}") if not a.startswith("trainer.output_dir")]
+    common = ["--recipe", os.path.join(ROOT, "examples", "finetune_tts.py"), "--config", CONFIG, *args]
     alone = evaluate.main([*common, "--out", str(tmp_path / "ev_base"), *sets])
     adapted = evaluate.main([*common, "--weights", str(run), "--out", str(tmp_path / "ev_scots"), *sets])
     assert set(alone) == set(adapted) == set(sets) and {"loss", "diff", "stop"} <= set(alone[sets[1]])
