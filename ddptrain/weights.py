@@ -738,10 +738,11 @@ def export_adapters(checkpoint: str, out_dir: str, name: str = "adapters.safeten
                     weights: str = "auto") -> str:
     """Write a LoRA checkpoint's adapters alone: every ``<layer>.lora_A`` / ``<layer>.lora_B``
     tensor under the model's own names (a trainable-only checkpoint's other trained tensors too,
-    e.g. ``lora.trainable``), one safetensors file. The header keeps the base model's path and the
-    scalings (``ddptrain.lora_scalings``: layer -> alpha / r), so ``ddptrain.load_weights`` and
-    a model's own adapter loader (upstream VoxCPM's ``load_lora_weights`` reads exactly these
-    names; examples/export_tts.py) put it on top of the base.
+    e.g. ``lora.trainable``), one safetensors file. Its header makes it a trainable-only weights
+    file: the base model (the checkpoint's, or for a full checkpoint the checkpoint's own file,
+    which holds the frozen base) and the scalings (layer -> alpha / r), so
+    ``ddptrain.load_weights(model, file)`` composes base and adapters, and a model's own adapter
+    loader reads the names (upstream VoxCPM's ``load_lora_weights``: examples/export_tts.py).
 
     Args:
         checkpoint: a checkpoint folder, a run folder or a ``model.safetensors`` file.
@@ -770,10 +771,11 @@ def export_adapters(checkpoint: str, out_dir: str, name: str = "adapters.safeten
     tensors = {k: t.to(cast) if cast is not None and t.is_floating_point() else t for k, t in tensors.items()}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    meta = {HEADER_LORA_SCALINGS: json.dumps(info["lora_scalings"]), "source": file,
-            "ddptrain.weights": "ema" if averaged else "model"}
-    if info["base_model"]:
-        meta[HEADER_BASE_MODEL] = info["base_model"]
+    meta = {HEADER_LORA_SCALINGS: json.dumps(info["lora_scalings"]), HEADER_TRAINABLE_ONLY: "true",
+            HEADER_BASE_MODEL: info["base_model"] if info["trainable_only"] else os.path.abspath(file),
+            "source": file, "ddptrain.weights": "ema" if averaged else "model"}
+    if info["base_fingerprint"]:
+        meta[HEADER_BASE_FINGERPRINT] = info["base_fingerprint"]
     save_weights(tensors, path + ".tmp", metadata=meta)
     os.replace(path + ".tmp", path)
     return path
