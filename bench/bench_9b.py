@@ -13,6 +13,11 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
   ``image_grid_thw``, ``mm_token_type_ids``).
 * ``lora_hf_peft``: the same model, batch, LoRA targets and rank through ``transformers.Trainer``
   + ``peft`` (bf16, gradient checkpointing, fused AdamW, the model's own loss over full logits).
+  Both peers adapt the same 240 decoder layers (never the vision tower, whose attention is
+  ``attn.qkv`` / ``attn.proj``): each job checks its targets select the layers the other's do
+  (:func:`lora_layers`) and that it trains their ``r (in + out)`` adapter parameters (47.6M), and
+  its row records ``num_trainable``, counted before DeepSpeed ZeRO-3 partitions the parameters
+  (after it, ``numel()`` is 0 for all but those under its persistence threshold: 21.3M).
 * ``full3b_ddptrain``: a full fine-tune of a ~3.2B GLM-shaped text decoder (24 layers, 3072-d,
   8192 FFN, the same vocabulary) on one GPU through the masters path (bf16 weights, fp32 masters).
 * ``full9b_zero`` / ``full9b_zero2``: the 10B full fine-tune on 4 / 2 GPUs (ZeRO with sharded
@@ -24,7 +29,9 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
 
 Every row: tokens/s, step time, MFU (analytic FLOPs below, recompute not counted), peak GPU
 memory (of every GPU: ``peak_alloc_gib_per_gpu``), and the model-state estimate of
-``ddptrain.memory`` beside the measured allocation.
+``ddptrain.memory`` beside the measured allocation. ``--profile [N]`` (ddptrain jobs): then N (3)
+steps under torch.profiler (``bench/profiling.py``: kernel time by category, GPU idle share,
+host time per step, the floor at zero host time and MFU there) in the row's ``profile``.
 Workload names contain "glm4v"/"9b" as BENCHMARKS.md expects.
 
     python3 bench/bench_9b.py plan --out "$OUT/glm4v_9b.jsonl"            # the one-H200 plan (~7 min)
@@ -44,8 +51,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
+import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -62,11 +72,14 @@ import ddptrain  # noqa: E402
 from ddptrain.losses import causal_lm_loss  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
 from measure import append_row, cap_gpu_memory, gather, mem_reset, peak_gb, sync, world  # noqa: E402
+from profiling import diagnose  # noqa: E402
+from profiling import summary as profile_summary  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [8, 12, 12]}
 TOKENS = {"image_start": 151339, "image_end": 151340, "image": 151343, "video": 151344}
 LORA_TARGETS = ["*language_model.layers.*.self_attn.[qkvo]_proj", "*language_model.layers.*.mlp.*_proj"]
 PEFT_TARGETS = r".*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate_up|down)_proj)"
+LORA_RANK, LORA_ALPHA = 16, 32
 
 # shapes by preset: "real" (the GPU) and "tiny" (the CPU dry run, same code paths)
 TEXT = {"real": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
@@ -159,6 +172,34 @@ def build(job: dict, preset: str, dev: torch.device) -> nn.Module:
         torch.set_default_dtype(old)
 
 
+def lora_layers(model: nn.Module) -> list[str]:
+    """The linear layers both peers adapt: ddptrain's globs (fnmatch, as ddptrain/lora.py matches)
+    and peft's regex (``re.fullmatch`` of a string ``target_modules``, as peft matches it).
+
+    Raises:
+        ValueError: the two select different layers (the comparison would train different jobs).
+    """
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    ours = [n for n in linears if any(fnmatch.fnmatchcase(n, g) for g in LORA_TARGETS)]
+    theirs = [n for n in linears if re.fullmatch(PEFT_TARGETS, n)]
+    if ours != theirs:
+        raise ValueError(f"LORA_TARGETS and PEFT_TARGETS select different layers: only ddptrain's "
+                         f"{sorted(set(ours) - set(theirs))[:6]}, only peft's {sorted(set(theirs) - set(ours))[:6]}")
+    return ours
+
+
+def lora_trainable(model: nn.Module) -> int:
+    """Adapter parameters of :func:`lora_layers` at ``LORA_RANK``: ``r (in + out)`` a layer (no biases)."""
+    layers = dict(model.named_modules())
+    return sum(LORA_RANK * (layers[n].in_features + layers[n].out_features) for n in lora_layers(model))
+
+
+def check_trainable(peer: str, got: int, want: int) -> None:
+    """Refuse a row whose peer trains another number of parameters than the shared targets give."""
+    if got != want:
+        raise RuntimeError(f"{peer} trains {got:,} parameters, the shared LoRA targets {want:,}: not the same job")
+
+
 def make_batch(cfg, preset: str, dev: torch.device, vision: bool, seq: int = 0) -> dict:
     """One sequence: 16 prompt tokens, then (with ``vision``) an image block, then text; the loss
     is on the text after the image. Token ids avoid the special ids."""
@@ -227,7 +268,7 @@ def _row(job_name, job, preset, dev, cfg, step_s, tokens, flops, extra) -> dict:
             "gpu_memory_gb": GPU_MEMORY_GB or None, **extra}
 
 
-def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
+def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str, profile: int = 0) -> dict:
     from ddptrain.memory import estimate_model_state
 
     ov = [f"trainer.output_dir={tmp}/{job_name}", "trainer.precision=bf16", "trainer.param_dtype=bf16",
@@ -235,7 +276,8 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
           "logging.tensorboard=false", "logging.progress_bar=false", "logging.log_every=100000", "optim.lr=1e-4",
           "recompute.enabled=true", "recompute.module_classes=[Glm4vTextDecoderLayer]", "checkpoint.start_over=true"]
     if job["lora"]:
-        ov += ["lora.enabled=true", f"lora.targets={json.dumps(LORA_TARGETS)}", "lora.rank=16", "lora.alpha=32"]
+        ov += ["lora.enabled=true", f"lora.targets={json.dumps(LORA_TARGETS)}", f"lora.rank={LORA_RANK}",
+               f"lora.alpha={LORA_ALPHA}"]
     if job.get("zero"):
         ov.append("optim.zero=true")
     if job.get("stream"):  # the frozen decoder layers live in pinned host memory, streamed one ahead
@@ -245,11 +287,15 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
     cfg = ddptrain.load_config(None, ov)
     info = ddptrain.setup_distributed(cfg)
     dev = info.device
-    model = WithLoss(build(job, preset, dev))
+    base = build(job, preset, dev)
+    want = lora_trainable(base) if job["lora"] else None  # the peft peer's count: the same layers
+    model = WithLoss(base)
     mcfg = glm4v_config(preset, with_vision=job["model"] == "9b")
     batch = make_batch(mcfg, preset, dev, vision=job["model"] == "9b", seq=job.get("seq", 0))
     mem_reset()
     trainer = ddptrain.Trainer(model, lambda m, b: m(**b), cfg, [batch] * (warmup + steps))
+    if want is not None:
+        check_trainable("ddptrain", sum(p.numel() for p in trainer.module.parameters() if p.requires_grad), want)
     times = []
     for i in range(warmup + steps):
         sync()
@@ -258,15 +304,20 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
         sync()
         times.append(time.perf_counter() - t0)
     at_rest = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0  # grads freed after the step
+    flops = step_flops(mcfg, batch, job["lora"], job["model"] == "9b")
+    # --profile: `profile` more steps under torch.profiler after one unprofiled (bench/profiling.py)
+    diag = diagnose({"profile": bool(profile), "profile_steps": profile}, lambda b: trainer.train_step([b]),
+                    itertools.repeat(batch), flops_of=lambda b: flops)
+    if "profile" in diag and world()[0] == 0:
+        print("PROFILE", job_name, json.dumps(profile_summary(diag["profile"])), flush=True)
     est = estimate_model_state(trainer.module, cfg, info.world_size)
     extra = {"loss_per_token": out["loss_sum"] / max(out["units"], 1), "num_params": est["num_params"],
              "num_trainable": est["num_trainable"], "model_state_at_rest_gib": round(at_rest, 2),
              "estimate_at_rest_gib": round((est["params"] + est["masters"] + est["optimizer"]) / 2**30, 2),
              "estimate_total_gib": round((est["total"] + est["master_grads"]) / 2**30, 2),
-             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed)}
+             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed), **diag}
     trainer.close()
-    return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
-                step_flops(mcfg, batch, job["lora"], job["model"] == "9b"), extra)
+    return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(), flops, extra)
 
 
 def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, tmp: str) -> dict:
@@ -275,9 +326,17 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     cap_gpu_memory(GPU_MEMORY_GB)
+    from peft.tuners.lora import LoraLayer
+
     mcfg = glm4v_config(preset)
-    model = get_peft_model(build(job, preset, dev), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                               target_modules=PEFT_TARGETS))
+    base = build(job, preset, dev)
+    want = lora_trainable(base)
+    model = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                            target_modules=PEFT_TARGETS))
+    # counted now: DeepSpeed ZeRO-3 empties partitioned parameters (numel() 0) when training starts
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    check_trainable("peft", trainable, want)
+    adapted = sum(isinstance(m, LoraLayer) for m in model.modules())
     batch = make_batch(mcfg, preset, torch.device("cpu"), vision=True, seq=job.get("seq", 0))
     times, marks = [], {}
     extra_args = {}
@@ -313,15 +372,16 @@ def run_hf_peft(job_name: str, job: dict, preset: str, warmup: int, steps: int, 
 
     mem_reset()
     Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Clock()]).train()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(),
-                step_flops(mcfg, batch, True, True), {"num_trainable": trainable})
+                step_flops(mcfg, batch, True, True), {"num_trainable": trainable, "adapted_layers": adapted})
 
 
 GPU_MEMORY_GB = float(os.environ.get("BENCH_GPU_MEMORY_GB", "0") or 0)  # --gpu-memory-gb, through the env to each job
 
 
-def run_job(name: str, preset: str, out: str, tmp: str) -> int:
+def run_job(name: str, preset: str, out: str, tmp: str, profile: int = 0) -> int:
+    """One job in this process; ``profile``: that many steps profiled after the timed ones
+    (ddptrain jobs)."""
     job = JOBS[name][0]
     warmup, steps = (2, 5) if preset == "real" else (1, 2)
     try:
@@ -334,7 +394,7 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
                 return 0
             row = run_hf_peft(name, job, preset, warmup, steps, tmp)
         else:
-            row = run_ddptrain(name, job, preset, warmup, steps, tmp)
+            row = run_ddptrain(name, job, preset, warmup, steps, tmp, profile)
     except Exception as e:  # an error row, and exit status 1 (bench/gpu_session.py's convention)
         append_row(out, {"workload": f"glm4v_{job['model']}", "name": name, "peer": job["peer"],
                       "gpu_memory_gb": GPU_MEMORY_GB or None, "error": f"{type(e).__name__}: {e}"[:2000]})
@@ -346,7 +406,7 @@ def run_job(name: str, preset: str, out: str, tmp: str) -> int:
     return 0
 
 
-def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
+def run_plan(jobs: list[str], dry: bool, out: str, tmp: str, profile: int = 0) -> int:
     """Each job in its own process with a hard timeout; the dry run runs them tiny on CPU (the
     multi-GPU job on 2 gloo ranks)."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
@@ -361,6 +421,7 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str) -> int:
         launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
                   "--master_port=29531"] if n > 1 else [sys.executable]
         cmd = launch + [os.path.abspath(__file__), "job", name, "--out", out, "--tmp", tmp] + (["--dry"] if dry else [])
+        cmd += [f"--profile={profile}"] if profile else []
         job_env = dict(env)
         if JOBS[name][0].get("ds3_offload") and n == 1:  # DeepSpeed wants a process group: torchrun's env of one rank
             job_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29532", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
@@ -403,6 +464,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="results file (JSON lines, appended)")
     p.add_argument("--tmp", default="/tmp/bench_9b", help="scratch folder for run folders")
     p.add_argument("--gpu-memory-gb", type=float, default=0.0, help="cap every job's GPU memory at this many GiB")
+    p.add_argument("--profile", type=int, nargs="?", const=3, default=0,
+                   help="ddptrain jobs: then profile N (3) steps (bench/profiling.py: kernel time, idle, host, floor)")
     args = p.parse_args(argv)
     if args.gpu_memory_gb:
         global GPU_MEMORY_GB
@@ -417,12 +480,12 @@ def main(argv=None) -> int:
     if args.what == "job":
         if args.job not in JOBS:
             p.error(f"unknown job {args.job!r}: one of {', '.join(JOBS)}")
-        return run_job(args.job, "tiny" if args.dry else "real", args.out, args.tmp)
+        return run_job(args.job, "tiny" if args.dry else "real", args.out, args.tmp, args.profile)
     jobs = args.jobs.split(",")
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
         p.error(f"unknown jobs {unknown}: {', '.join(JOBS)}")
-    return run_plan(jobs, args.dry, args.out, args.tmp)
+    return run_plan(jobs, args.dry, args.out, args.tmp, args.profile)
 
 
 if __name__ == "__main__":

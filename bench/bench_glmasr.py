@@ -47,9 +47,11 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   ``cpp_wrapper=True``: kernels launched from C++ rather than Python): experiments, not ddptrain
   options.
 
-``--profile`` adds, for ddptrain peers, a profile of 2 steps after the timed ones: step time,
-GPU-busy time and kernel time by category. Results of 2026-12-01 (one H200, three calls; the
-``call`` field): ``bench/results/h200x1_2026-12-01_glmasr.jsonl``.
+``--profile`` adds, for ddptrain peers, a profile of ``--profile-steps`` (3) steps over the last
+timed batches after the timed ones (``bench/profiling.py``: kernel time by category, GPU idle
+share, host time per step, the floor: kernel time at zero host time, MFU there); ``--gaps``
+what the host did in the longest GPU idle gaps. Results of 2026-12-01 (one H200, three calls;
+the ``call`` field): ``bench/results/h200x1_2026-12-01_glmasr.jsonl``.
 
 Timing: 8 warm-up steps, then 16 timed steps (``--warmup`` / ``--steps``), host clock around a
 device sync. MFU = FLOPs of the padded batches as that peer computes them / (time x 989.4e12,
@@ -72,6 +74,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -91,6 +94,8 @@ from flops import PEAK_BF16  # noqa: E402
 from measure import (TimedLoss, append_row, cap_gpu_memory, device, mem_reset, named_peers, peak_gb,  # noqa: E402
                      peer_row, sync)
 from models.train_flops import GlmAsrFlops  # noqa: E402
+from profiling import diagnose  # noqa: E402
+from profiling import summary as profile_summary  # noqa: E402
 
 SR = 16000
 OVERRIDES = {
@@ -241,7 +246,8 @@ def run_ddptrain(args) -> dict:
         with attention_scope(args):
             return objective(m, batch)
 
-    timed = TimedLoss(loss, stats=lambda batch: batch.pop("stats"))
+    timed = TimedLoss(loss, stats=lambda batch: batch.pop("stats"),
+                      keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
     mem_reset()
     trainer = ddptrain.Trainer(model, timed, cfg, loader)
     trainer.fit()
@@ -254,13 +260,10 @@ def run_ddptrain(args) -> dict:
              "ov": ov, "data_wait_frac": waits,
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
              **step_record(timed.calls, graphs, w, n)}
-    if args.profile:
-        extra["profile"] = profile_steps(trainer, loader)
-        if torch.cuda.is_available():
-            from profiling import gap_owners  # bench/profiling.py
-
-            it = iter(loader)
-            extra["profile"]["gaps"] = gap_owners(lambda b: trainer.train_step([b]), [next(it) for _ in range(2)], top=10)
+    extra.update(diagnose({"profile": args.profile, "gaps": args.gaps, "profile_steps": args.profile_steps},
+                          lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent))))
+    if "profile" in extra:
+        print("PROFILE", args.peer, json.dumps(profile_summary(extra["profile"])), flush=True)
     return summarize(args, elapsed, stats, extra)
 
 
@@ -280,39 +283,6 @@ def step_record(calls: list, graphs: list, w: int, n: int) -> dict:
     if torch.cuda.is_available():
         out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     return out
-
-
-def profile_steps(trainer, loader, steps: int = 2) -> dict:
-    """GPU time per step by kernel (top 15) and category, and the share of the step the GPU idled."""
-    it = iter(loader)
-    batches = [next(it) for _ in range(steps + 1)]  # the timed loss takes their stats off
-    trainer.train_step([batches[0]])
-    sync()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        for b in batches[1:]:
-            trainer.train_step([b])
-        sync()
-        wall = time.perf_counter() - t0
-    kernels: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name:  # not annotations (double counts)
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / steps  # ms per step
-    cats: dict = {}
-    for name, ms in kernels.items():
-        low = name.lower()
-        cat = ("attention" if any(k in low for k in ("flash", "fmha", "attention", "sdpa")) else
-               "gemm" if any(k in low for k in ("gemm", "sm90", "cutlass", "nvjet", "wgmma", "cublas", "xmma")) else
-               "conv" if "conv" in low else "memcpy" if "memcpy" in low or "memset" in low else
-               "optimizer" if any(k in low for k in ("adam", "foreach", "multi_tensor")) else "other")
-        cats[cat] = cats.get(cat, 0.0) + ms
-    busy = sum(kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
-    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    return {"step_ms": 1e3 * wall / steps, "gpu_busy_ms": busy, "categories_ms": {k: round(v, 2) for k, v in cats.items()},
-            "top_kernels_ms": [[k[:90], round(v, 2)] for k, v in top],
-            "host_self_ms": [[e.key[:60], round(e.self_cpu_time_total / 1e3 / steps, 2), e.count // steps] for e in host]}
 
 
 def run_bare(args) -> dict:
@@ -509,7 +479,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per peer (its start and compile included)")
     p.add_argument("--hf-compile-timeout", type=float, default=200.0, help="seconds for hf_compile (whole-model compile)")
     p.add_argument("--ov", action="append", default=[], help="NAME=k=v,k=[a,b]: a ddptrain peer with these overrides")
-    p.add_argument("--profile", action="store_true", help="ddptrain peers: also profile 2 steps (kernel times)")
+    p.add_argument("--profile", action="store_true",
+                   help="ddptrain peers: then profile a few steps (bench/profiling.py: kernel time, idle, host, floor)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps --profile profiles (after one more unprofiled)")
+    p.add_argument("--gaps", action="store_true", help="ddptrain peers: what the host did in the longest GPU idle gaps")
     p.add_argument("--gpu-memory-gb", type=float, default=0.0,
                    help="cap every peer's GPU memory to this many GiB (a small card on a big GPU)")
     p.add_argument("--peer", help=argparse.SUPPRESS)  # internal: run one peer in this process
@@ -533,7 +506,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--peer", peer, "--row", row_file, "--tmp", tmp,
                    "--preset", args.preset, "--batch", str(args.batch), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--workers", str(args.workers),
-                   "--gpu-memory-gb", str(args.gpu_memory_gb)] + (["--profile"] if args.profile else [])
+                   "--gpu-memory-gb", str(args.gpu_memory_gb), "--profile-steps", str(args.profile_steps)]
+            cmd += ["--profile"] * args.profile + ["--gaps"] * args.gaps
             cmd += [f"--ov={o}" for o in OVERRIDES.get(peer, []) if peer in named]
             env = dict(os.environ)
             if base_peer(peer).startswith("hf_compile"):  # a timed-out row's tail then says what recompiled

@@ -15,7 +15,7 @@ friends). The exit status is 1 when an experiment failed or a job timed out.
 The plans below are the current ones, one per question of BENCHMARKS.md; the plans that
 produced the older rows (call1 ... call24) are in git history (``git show 7d7474f:bench/gpu_session.py``).
 ``PLANS`` hold ``bench/run.py`` experiments; ``SCRIPT_PLANS`` launch the other bench scripts
-(GLM-ASR, the 9B model, VoxCPM), each job one process (or torchrun) that appends its own rows.
+(GLM-ASR, the 9B model, VoxCPM-1.5 and VoxCPM2), each job one process (or torchrun) that appends its own rows.
 bench/MULTI_GPU_PLAN.md says which plan to run on which machine, in what order.
 """
 
@@ -33,6 +33,9 @@ import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+
+from profile_table import read_rows
+from profile_table import table as profile_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -208,7 +211,44 @@ def b9(label, gpus, job, timeout):
 VOX = ["bench_voxcpm.py", "--peer", "ddptrain_best_md320", "--utterances", "3200", "--warmup", "5", "--steps", "10",
        "--row", "{rows}", "--tmp", "{tmp}"]
 
+# issue 31 item 1: a profile of every workload's ddptrain best after its timed steps (kernel time
+# by category, GPU idle share, host time, the floor at zero host time); fewer timed steps than
+# the throughput plans, enough warm-up to compile the shapes the profiled steps replay
+PROF_GLM = ["--warmup", "24", "--steps", "8", "--out", "{rows}", "--tmp", "{tmp}", "--profile"]
+PROF_VOX = ["bench_voxcpm.py", "--peer", "ddptrain_best_md320", "--utterances", "1000", "--warmup", "5", "--steps",
+            "8", "--row", "{rows}", "--tmp", "{tmp}", "--profile"]
+
+# VoxCPM2 (item 5): upstream's step vs ddptrain on one GPU, each job one bench_voxcpm.py process running
+# its peer in a subprocess (an out-of-memory peer leaves an error row, the bench's timeout 10 s inside the
+# job's); 640 utterances so upstream's 11 steps of 32 stay in one epoch; upstream 3 + 8 steps, ddptrain 5 + 10
+V2 = ["bench_voxcpm.py", "--arch", "voxcpm2", "--utterances", "640", "--out", "{rows}"]
+V2_UP, V2_DDP = ["--warmup", "3", "--steps", "8", "--grad-accum", "1"], ["--warmup", "5", "--steps", "10"]
+
+
+def v2(label, peer, timeout, *more):
+    return Script(label, "0", V2 + ["--peers", peer, "--timeout", str(timeout - 10), *more], timeout,
+                  ["--dry", "--inline"])
+
+
 SCRIPT_PLANS = {
+    # (issue 31) the profiles, bench/run.py jobs and scripts mixed, in the issue's order of value.
+    # Each job's start, compile, steps and profile on a fresh H200, from the rows' wall times
+    # (calls s7e, s8c, s9b, 21b, 24) less the steps left out: VoxCPM ~70 s (1,000 utterances
+    # encoded in ~18 s), GLM-ASR cut ~85 s, 30 s windows ~80 s, 9B LoRA ~60 s (not timed
+    # before: a guess), Whisper ~55 s, wav2vec2 ~90 s (its cold compile): ~440 s of 530; a
+    # job the budget cuts short is the last, the least valuable. Timeouts leave each ~1.7x.
+    # One H200; the table: python3 bench/profile_table.py $OUT/results.jsonl (printed at the end).
+    #   python3 bench/gpu_session.py profile1 --out $OUT --budget 530 --no-calib
+    "profile1": [
+        [Script("vox_prof", "0", PROF_VOX, 140, ["--dry"]),
+         Script("glm_cut_prof", "0", ["multi/glmasr.py", "--peer", "ddptrain_bf16_compile_cut", *PROF_GLM], 150,
+                GLM_DRY),
+         Script("glm_win30_prof", "0", ["multi/glmasr.py", "--peer", GLM_DDP, *PROF_GLM], 140, GLM_DRY),
+         Script("b9_lora_prof", "0", ["bench_9b.py", "job", "lora_ddptrain", "--out", "{rows}", "--tmp", "{tmp}",
+                                      "--profile"], 150, ["--dry"]),
+         Job("wh_prof", "0", "whisper", [wh("ddptrain_b24", profile=True)], 150, steps=6),
+         Job("w2v_prof", "0", "wav2vec2", [w2v("ddptrain_500", profile=True)], 160, steps=8)],
+    ],
     # (a, b) GLM-ASR on 1 and 2 GPUs, both peers; then the 10B full fine-tune on 2 GPUs (the
     # estimate: 10 B/param of model state + 2 B/param of master gradients = 123.5 GB of 150).
     # Two H200s, ~6 minutes.
@@ -224,6 +264,24 @@ SCRIPT_PLANS = {
         [glm("glm_ddp1", "0", GLM_DDP, 200), glm("glm_ds1", "1", GLM_DS2, 170),
          glm("glm_ddp2", "2,3", GLM_DDP, 200), glm("glm_ds2", "2,3", GLM_DS2, 170)],
         [glm("glm_ddp4", "0,1,2,3", GLM_DDP, 220), glm("glm_ds4", "0,1,2,3", GLM_DS2, 190)],
+    ],
+    # VoxCPM2 (2.29B, issue 32 item 5) on one H200, in order of value: full fine-tuning (ddptrain's best
+    # against upstream at the largest batch its memory plausibly holds, then 16), LoRA (upstream's r 32
+    # alpha 32 against configs/tts_voxcpm2_lora.yaml), then a 24 GB card (23 GiB cap): ddptrain with the
+    # optimizer on the host and recompute against upstream at batch 1 (its fp32 weights, gradients and
+    # AdamW are 16 B/param = 36.6 GB: expected out of memory, the row says so). Seconds estimated from
+    # the VoxCPM-1.5 rows (bench/results/*voxcpm*) x ~2.5 per step; memory from saved-activation bytes
+    # per LM position measured on CPU (VoxCPM-1.5 9.7 MB, which reproduces its 37.3 GB upstream b16 row;
+    # VoxCPM2 18.4 MB): upstream b32 ~130 of 150 GB. ~510 s in all.
+    #   python3 bench/gpu_session.py voxcpm2 --out $OUT --budget 540 --no-calib
+    "voxcpm2": [
+        [v2("v2_ddp", "ddptrain_best_md320", 200, *V2_DDP),  # ~100 s (compile ~50 s), ~92 GB
+         v2("v2_up_b32", "upstream", 130, "--batch", "32", *V2_UP),  # ~75 s
+         v2("v2_up_b16", "upstream", 100, "--batch", "16", *V2_UP)],  # ~50 s, ~85 GB
+        [v2("v2_24gb_ddp", "ddptrain_offload_rc_md320", 190, "--gpu-memory-gb", "23", "--warmup", "3", "--steps", "8"),  # ~115 s
+         v2("v2_24gb_up_b1", "upstream", 60, "--batch", "1", "--gpu-memory-gb", "23", *V2_UP)],  # ~30 s to its OOM
+        [v2("v2_lora_ddp", "ddptrain_lora_md320", 170, *V2_DDP),  # ~90 s
+         v2("v2_lora_up_b32", "upstream_lora", 100, "--batch", "32", *V2_UP)],  # ~50 s, ~100 GB
     ],
     # (b, c) the 10B full fine-tune on 2 and 4 GPUs; VoxCPM on 4 GPUs against one GPU trained on
     # the 4-GPU run's batches (as_world 4). Four H200s, ~5 minutes.
@@ -522,6 +580,10 @@ def main(argv=None) -> int:
         shutil.rmtree(done, ignore_errors=True)
     print(f"total {time.time() - t0:.0f}s, {failed} job(s) failed")
     print(table(os.path.join(a.out, "results.jsonl")))
+    results = os.path.join(a.out, "results.jsonl")
+    rows = read_rows([results]) if os.path.exists(results) else []
+    if any("profile" in r for r in rows):
+        print("\nprofiles (bench/profile_table.py):\n" + profile_table(rows))
     return 1 if failed else 0
 
 

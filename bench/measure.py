@@ -11,6 +11,7 @@ bounded process (``peer_row``).
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import math
@@ -225,13 +226,19 @@ class TimedLoss:
     Args:
         fn: the loss function ``(model, batch) -> (loss_sum, units)``.
         stats: ``batch -> dict`` of the batch's counts; default: the ``stats`` its collate added.
+        keep: hold the last ``keep`` batches (as the loss got them, on the device; a dict is
+            copied before ``stats`` may change it) in ``recent``: steps to profile afterwards
+            on shapes the timed steps compiled already.
     """
 
-    def __init__(self, fn, stats: Optional[Callable[[dict], dict]] = None):
+    def __init__(self, fn, stats: Optional[Callable[[dict], dict]] = None, keep: int = 0):
         self.fn, self.calls, self.sensors = fn, [], GpuSensors()
         self.stats = stats or (lambda batch: batch.get("stats", {}))
+        self.recent = collections.deque(maxlen=keep)
 
     def __call__(self, model, batch):
+        if self.recent.maxlen:
+            self.recent.append(dict(batch) if isinstance(batch, dict) else batch)
         self.calls.append((time.perf_counter(), self.stats(batch)))
         self.sensors.sample()
         return self.fn(model, batch)

@@ -18,6 +18,7 @@ workload code (``workloads.py``); the HF peers feed HF-style inputs (``input_val
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 
 import torch
@@ -49,7 +50,9 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     raw = make_loader(workload, preset, exp, model, flops, 0 if exp.get("same_data") else info.rank,
                       info.world_size, cfg.data)
     loader = ReplayLoader(raw, exp["replay"]) if exp.get("replay") else TimedLoader(raw)
-    timed = TimedLoss(loss_fn)
+    # a diagnostic steps again over the last timed batches (their shapes compiled already)
+    diag = exp.get("profile") or exp.get("syncs") or exp.get("gaps")
+    timed = TimedLoss(loss_fn, keep=exp.get("profile_steps", 3) + 1 if diag else 0)
     mem_reset()
     trainer = ddptrain.Trainer(model, timed, cfg, loader)
     if exp.get("nocomm") and ws > 1:
@@ -73,8 +76,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
              "num_params": est["num_params"], "num_trainable": est["num_trainable"],
              "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0]),
              **timed.sensors.summary(W, W + N)}
-    extra.update(diagnose(exp, lambda b: trainer.train_step([b]),
-                          iter(loader.loader if isinstance(loader, TimedLoader) else loader)))
+    extra.update(diagnose(exp, lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent))))
     rec = summarize(exp, workload, ws, elapsed, stats, waits, steps,
                     {"peak_alloc_gb": peak["peak_alloc_gb"], "peak_reserved_gb": peak["peak_reserved_gb"]}, extra)
     del trainer, model, loader, timed

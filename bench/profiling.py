@@ -1,8 +1,9 @@
 """Where a step's time goes: torch.profiler summaries, host syncs, and what the host did while the GPU idled.
 
 Each helper takes ``step_fn(batch)``, one training step of a peer, and a few batches; the
-runner calls them after the timed steps (``profile``, ``syncs``, ``gaps`` experiment keys), so
-profiling never slows the steps that are timed.
+runner calls them after the timed steps (``profile``, ``syncs``, ``gaps`` experiment keys; the
+model benches' ``--profile``), so profiling never slows the steps that are timed.
+``bench/profile_table.py`` turns the profiles of a results file into a table.
 """
 
 from __future__ import annotations
@@ -13,15 +14,22 @@ import time
 import warnings
 
 import torch
+from torch.autograd import DeviceType
 
+from flops import PEAK_BF16
 from measure import sync
 
 
+# aten ops that are matrix products (the CPU dry run's "kernels")
+ATEN_GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
+
+
 def categorize(name: str) -> str:
+    """A kernel's category by its name (a CUDA kernel, or an aten op in CPU dry runs)."""
     n = name.lower()
     if "nccl" in n:
         return "nccl"
-    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "splitk")):
+    if n in ATEN_GEMM or any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "splitk")):
         return "gemm"
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
         return "attention"
@@ -81,73 +89,132 @@ def gap_owners(step_fn, batches: list, top: int = 6, min_ms: float = 0.5, gpu_ca
     return out
 
 
-def profile_steps(step_fn, batches: list) -> dict:
-    """Run ``step_fn(batch)`` for each batch under torch.profiler (CUDA activity only) and report the
-    GPU busy/idle share over the span of the steps, kernel time by category and the top kernels."""
-    from torch.autograd import DeviceType
+# runtime calls in which the host waits for the GPU (a sync, a copy that blocks, a full launch queue)
+WAITS = ("Synchronize", "Memcpy", "Command Buffer Full")
+
+
+def _union_ns(ivals: list) -> tuple[int, list]:
+    """Total length of the union of ``(start, end, i)`` intervals, and the gaps between them as
+    ``(length, i before, i after)``: the index of the interval that ended last before the gap
+    and of the one that starts it."""
+    ivals = sorted(ivals)
+    if not ivals:
+        return 0, []
+    total, gaps = 0, []
+    (cur_s, cur_e, last) = ivals[0]
+    for s, e, i in ivals[1:]:
+        if s > cur_e:
+            total += cur_e - cur_s
+            gaps.append((s - cur_e, last, i))
+            cur_s, cur_e, last = s, e, i
+        elif e >= cur_e:
+            cur_e, last = e, i
+    return total + cur_e - cur_s, gaps
+
+
+def profile_steps(step_fn, batches: list, flops: list | None = None) -> dict:
+    """Run ``step_fn(batch)`` for each batch under torch.profiler and report where a step's time
+    goes and the floor it implies: the step with no host time at all, its kernels back to back.
+
+    On a GPU (CUDA activity only, so the host is barely slowed): kernel time per step by
+    category and the top kernels; the GPU busy share of the wall time (the union of kernel
+    intervals) and its idle share; ``host_ms_per_step``, the wall time less the time the host
+    sat in runtime calls that wait for the GPU (``WAITS``: it is the host's own work, Python and
+    launches, an estimate); ``floor_ms`` = kernel time per step (summed, so kernels on two
+    streams count twice); ``floor_ratio`` = the profiled step's wall time / ``floor_ms`` (how
+    much faster the same batches could run). On the CPU (dry runs) the "kernels" are the aten
+    ops' self times and the host is the whole step.
+
+    Args:
+        step_fn: one training step, ``step_fn(batch)``.
+        batches: the batches profiled, one step each (steps whose shapes have been compiled).
+        flops: model FLOPs of each batch (None: no MFU): adds ``mfu_profiled`` and
+            ``mfu_at_floor`` (per GPU, against ``flops.PEAK_BF16``).
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    if not torch.cuda.is_available():
-        for b in batches:
-            step_fn(b)
-        return {}
+    cuda = torch.cuda.is_available()
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for b in batches:
             step_fn(b)
         sync()
         wall = time.perf_counter() - t0
-    ivals, cats, names, runtime, kname = [], {}, {}, {}, []
-    for e in prof.profiler.kineto_results.events():
-        dur = e.duration_ns()
+    if cuda:
+        return step_times(prof.profiler.kineto_results.events(), wall, len(batches), flops)
+    # the CPU: aten ops' self times stand in for kernels
+    ops = [(e.key, e.self_cpu_time_total * 1e3, e.count) for e in prof.key_averages() if e.key.startswith("aten::")]
+    return step_times([], wall, len(batches), flops, cpu_ops=ops)
+
+
+def step_times(events, wall: float, n: int, flops: list | None = None, cpu_ops: list | None = None) -> dict:
+    """:func:`profile_steps`' report from the profiler's kineto events (``name()``,
+    ``device_type()``, ``start_ns()``, ``duration_ns()``) of ``n`` steps that took ``wall``
+    seconds, or on the CPU from ``cpu_ops``: ``(aten op, self ns, calls)``."""
+    wall_ns = wall * 1e9
+    cats, names, runtime, kernels, waits = {}, {}, {}, [], []
+    for e in events:
+        dur, k = e.duration_ns(), e.name()
         if e.device_type() == DeviceType.CUDA:
-            s = e.start_ns()
-            ivals.append((s, s + dur))
-            kname.append(e.name()[:80])
-            c = categorize(e.name())
+            if k.startswith("##"):  # a region annotated on the GPU's timeline, not a kernel
+                continue
+            kernels.append((e.start_ns(), e.start_ns() + dur, len(kernels), k[:80]))
+            c = categorize(k)
             cats[c] = cats.get(c, 0) + dur
-            k = e.name()[:120]
-            t, n = names.get(k, (0, 0))
-            names[k] = (t + dur, n + 1)
-        else:
-            k = e.name()
-            if k.startswith("cuda") and ("Synchronize" in k or "Memcpy" in k or "StreamWait" in k):
-                t, n = runtime.get(k, (0, 0))
-                runtime[k] = (t + dur, n + 1)
-    if not ivals:
-        return {"wall_ms": wall * 1e3, "note": "no CUDA events"}
-    order = sorted(range(len(ivals)), key=lambda i: ivals[i])
-    busy, (cur_s, cur_e), last = 0, ivals[order[0]], order[0]
-    gaps = []  # (idle ns, kernel before, kernel after): where the GPU waits for the host
-    for i in order[1:]:
-        s, e = ivals[i]
-        if s > cur_e:
-            busy += cur_e - cur_s
-            gaps.append((s - cur_e, kname[last], kname[i]))
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-        if e >= cur_e:
-            last = i
-    busy += cur_e - cur_s
-    ivals = [ivals[i] for i in order]
-    span = ivals[-1][1] - ivals[0][0]
+            t, m = names.get(k[:120], (0, 0))
+            names[k[:120]] = (t + dur, m + 1)
+        elif any(w in k for w in WAITS):
+            t, m = runtime.get(k, (0, 0))
+            runtime[k] = (t + dur, m + 1)
+            waits.append((e.start_ns(), e.start_ns() + dur, 0))
+    if cpu_ops is not None:
+        for k, dur, calls in cpu_ops:
+            c = categorize(k)
+            cats[c] = cats.get(c, 0) + dur
+            names[k] = (dur, calls)
+        busy, gaps, span, waited = sum(cats.values()), [], wall_ns, 0
+    elif not kernels:
+        return {"wall_ms_per_step": wall * 1e3 / n, "note": "no CUDA events"}
+    else:
+        busy, gaps = _union_ns([(s, e, i) for s, e, i, _ in kernels])
+        span = max(e for _, e, _, _ in kernels) - min(s for s, _, _, _ in kernels)
+        waited = _union_ns(waits)[0]
     total = sum(cats.values())
-    n = len(batches)
+    floor = total / 1e6 / n
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:15]
-    gaps.sort(key=lambda g: -g[0])
-    return {
-        "steps": n, "wall_ms_per_step": wall * 1e3 / n, "gpu_span_ms_per_step": span / 1e6 / n,
-        "gpu_busy_ms_per_step": busy / 1e6 / n, "gpu_idle_frac_of_wall": 1 - busy / 1e9 / wall,
-        "gpu_idle_frac_of_span": 1 - busy / span,
-        "kernel_ms_per_step_by_category": {k: round(v / 1e6 / n, 2) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-        "kernel_share_by_category": {k: round(v / total, 4) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": k, "ms_per_step": round(t / 1e6 / n, 3), "calls_per_step": c / n} for k, (t, c) in top],
+    by_size = sorted(cats.items(), key=lambda kv: -kv[1])
+    gaps = sorted(((g, kernels[a][3], kernels[b][3]) for g, a, b in gaps), key=lambda g: -g[0])
+    out = {
+        "steps": n, "kernels": "cpu aten ops (self time)" if cpu_ops is not None else "cuda",
+        "wall_ms_per_step": wall * 1e3 / n, "kernel_ms_per_step": floor,
+        "gpu_span_ms_per_step": span / 1e6 / n, "gpu_busy_ms_per_step": busy / 1e6 / n,
+        "gpu_busy_frac_of_wall": busy / wall_ns, "gpu_idle_frac_of_wall": 1 - busy / wall_ns,
+        "gpu_idle_frac_of_span": 1 - busy / span if span else 0.0,
+        "host_ms_per_step": max(0.0, wall_ns - waited) / 1e6 / n, "host_wait_ms_per_step": waited / 1e6 / n,
+        "floor_ms": floor, "floor_ratio": wall * 1e3 / n / floor if floor else None,
+        "kernel_ms_per_step_by_category": {k: round(v / 1e6 / n, 2) for k, v in by_size},
+        "kernel_share_by_category": {k: round(v / total, 4) for k, v in by_size} if total else {},
+        "top_kernels": [{"name": k, "ms_per_step": round(t / 1e6 / n, 3), "calls_per_step": c / n}
+                        for k, (t, c) in top],
         "runtime_calls_per_step": {k: {"calls": c / n, "ms": round(t / 1e6 / n, 3)} for k, (t, c) in runtime.items()},
         "idle_gaps_over_1ms_ms_per_step": round(sum(g[0] for g in gaps if g[0] > 1e6) / 1e6 / n, 2),
         "largest_idle_gaps": [{"ms": round(g / 1e6, 2), "after": a, "before": b} for g, a, b in gaps[:12]],
     }
+    if flops and all(f is not None for f in flops):
+        per_step = sum(flops) / n
+        out.update(flops_per_step=per_step, mfu_profiled=per_step / (wall / n) / PEAK_BF16,
+                   mfu_at_floor=per_step / (floor / 1e3) / PEAK_BF16 if floor else None)
+    return out
+
+
+def summary(prof: dict) -> dict:
+    """The profile's headline numbers (the PROFILE line a plan's log shows)."""
+    keys = ("wall_ms_per_step", "kernel_ms_per_step", "gpu_idle_frac_of_wall", "host_ms_per_step", "floor_ms",
+            "floor_ratio", "mfu_profiled", "mfu_at_floor", "idle_gaps_over_1ms_ms_per_step")
+    out = {k: float(f"{prof[k]:.4g}") if isinstance(prof.get(k), float) else prof.get(k) for k in keys if k in prof}
+    out["top_categories_ms"] = dict(list(prof.get("kernel_ms_per_step_by_category", {}).items())[:4])
+    return out
 
 
 def count_syncs(step_fn, batch) -> list:
@@ -171,24 +238,32 @@ def count_syncs(step_fn, batch) -> list:
     return sorted(where.items(), key=lambda kv: -kv[1])
 
 
-def diagnose(exp: dict, step_fn, batches) -> dict:
-    """The diagnostics an experiment asked for, run on fresh batches after its timed steps.
+def batch_flops(batch) -> float | None:
+    """A batch's model FLOPs from the ``stats`` its collate added (``workloads.StatsCollate``)."""
+    return batch["stats"].get("flops") if isinstance(batch, dict) and isinstance(batch.get("stats"), dict) else None
+
+
+def diagnose(exp: dict, step_fn, batches, flops_of=batch_flops) -> dict:
+    """The diagnostics an experiment asked for, run after its timed steps.
 
     Args:
         exp: the experiment; ``syncs``, ``profile``, ``gaps`` select the diagnostics and
             ``profile_steps`` (default 3) how many steps are profiled.
         step_fn: one training step, ``step_fn(batch)``.
-        batches: an iterator of batches (the first one is a warm-up step).
+        batches: an iterator of batches (the first one is a warm-up step); best the timed
+            steps' own (``measure.TimedLoss(keep=...)``), whose shapes are compiled already.
+        flops_of: ``batch -> model FLOPs`` (None: unknown), read before the steps run.
     """
     out: dict = {}
     if not (exp.get("profile") or exp.get("syncs") or exp.get("gaps")):
         return out
     got = [next(batches) for _ in range(exp.get("profile_steps", 3) + 1)]
+    flops = [flops_of(b) for b in got[1:]]
     step_fn(got[0])
     if exp.get("syncs"):
         out["syncs"] = count_syncs(step_fn, got[0])
     if exp.get("profile"):
-        out["profile"] = profile_steps(step_fn, got[1:])
+        out["profile"] = profile_steps(step_fn, got[1:], flops)
     if exp.get("gaps"):
         try:  # a diagnostic: its failure must not lose the timed result
             out["gaps"] = gap_owners(step_fn, got[1:3])

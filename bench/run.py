@@ -30,6 +30,7 @@ import torch
 import ddptrain
 from measure import world
 from peers import PEERS
+from profiling import summary
 from workloads import WORKLOADS
 
 # What each key does (every one optional except name and peer). A key nothing reads (a removed
@@ -50,7 +51,7 @@ EXPERIMENT_KEYS = {
     "ddp1": "diagnostic: one GPU under torchrun, i.e. a DDP group of one (gpu_session.py)",
     "item_every": "bare loop: read the loss every N steps (default 10)",
     "bucket_view": "bare loop: DDP gradient_as_bucket_view",
-    "profile": "torch.profiler summary of a few steps after the timed ones",
+    "profile": "torch.profiler summary of a few steps after the timed ones (kernel time, idle, host, floor)",
     "profile_steps": "steps profiled (default 3)", "syncs": "host syncs of one step, by source line",
     "gaps": "host work during the longest GPU idle gaps",
 }
@@ -110,9 +111,8 @@ def report(rec: dict) -> None:
     print("RESULT", json.dumps(short), flush=True)
     if "profile" in rec:
         pr = rec["profile"]
-        print("PROFILE", rec["name"], json.dumps({k: pr.get(k) for k in (
-            "wall_ms_per_step", "gpu_busy_ms_per_step", "gpu_idle_frac_of_wall", "kernel_ms_per_step_by_category",
-            "runtime_calls_per_step", "idle_gaps_over_1ms_ms_per_step", "largest_idle_gaps")}), flush=True)
+        print("PROFILE", rec["name"], json.dumps(dict(summary(pr), largest_idle_gaps=pr.get("largest_idle_gaps", [])[:4])),
+              flush=True)
     if "syncs" in rec:
         print("SYNCS", rec["name"], json.dumps(rec["syncs"][:12]), flush=True)
     gaps = rec.get("gaps", [])

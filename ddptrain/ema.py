@@ -44,7 +44,8 @@ Checkpoints: besides the state above (exact fp32, so a resumed run's EMA equals 
 uninterrupted run's bit for bit), ``meta.json`` says ``"ema": {"updates": n, "evaluated": bool}``:
 whether the checkpoint's metrics measured the EMA weights; ``python -m ddptrain.weights export``
 and ``python -m ddptrain.average`` then export the EMA weights by default (``--weights model``:
-the trained ones). A run resumed with ``ema.enabled`` from a checkpoint without an EMA starts one
+the trained ones), and so does ``examples/evaluate.py`` score them (``--which``);
+``ddptrain.load_weights(model, checkpoint, which="ema")`` loads them into a model. A run resumed with ``ema.enabled`` from a checkpoint without an EMA starts one
 from the resumed weights; ``ema.decay``, ``every_steps``, ``warmup`` and ``device`` may change on
 resume (from the resumed step on).
 

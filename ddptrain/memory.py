@@ -1,7 +1,8 @@
 """Estimate the per-GPU memory of the *model state* before a run: parameters, gradients,
-optimizer state and DDP's gradient buckets, with and without ZeRO, sharded gradients, optimizer
-offload and a streamed frozen base; the host memory those tiers move there; the activations of
-one real step (:func:`measure_activations`); and what fits 16 / 24 / 48 / 80 GB cards.
+optimizer state, DDP's gradient buckets and an EMA of the weights, with and without ZeRO, sharded
+gradients, optimizer offload and a streamed frozen base; the host memory those tiers move there;
+the activations of one real step (:func:`measure_activations`); and what fits 16 / 24 / 48 / 80 GB
+cards.
 
 What ddptrain keeps per trainable parameter (all fp32 "master" tensors, whatever
 ``trainer.precision`` says: autocast only makes bf16/fp16 *copies* for the forward pass):
@@ -56,6 +57,14 @@ memory (``lora.base_offload: cpu``) costs the GPU a ring of ``lora.stream_ahead 
 weights only (the largest block's size x the ring), plus any frozen weights outside the
 streamed blocks, and costs each rank's host 2 B per streamed parameter.
 
+An EMA of the weights (``ema.enabled``, ddptrain/ema.py) is one fp32 copy of the trainable
+parameters, 4 B each, partitioned as the optimizer state is (``4 * shard``: 4/N B under
+``optim.zero``, the sharded masters or a multi-rank offload; 4 B replicated otherwise). It lives on
+the GPU, or in host memory (``host_ema``) with ``ema.device: cpu``, or ``auto`` under
+``optim.offload: cpu``; ``cpu`` with the weights on the GPU adds two pinned staging buffers of
+``ddptrain.ema.CHUNK_ELEMS`` fp32 elements (64 MiB). Evaluating on it with fp32 weights and no
+masters briefly copies the trained weights to the host (not counted here).
+
 Given a model (not only a parameter count) the estimate uses the real dtypes, counts frozen
 parameters as parameters only, reproduces the partition (ZeroRedundancyOptimizer's greedy one
 per parameter group, or the sharded masters' over all trainable tensors) so the optimizer
@@ -74,6 +83,7 @@ Command line::
     python -m ddptrain.memory --params 2.14e9 --world-size 2 --param-dtype bf16 --shard-grads --offload
     python -m ddptrain.memory --preset glm4v-9b-lora --base-offload --param-dtype bf16
     python -m ddptrain.memory --config configs/glmasr.yaml --world-size 2 optim.offload=cpu
+    python -m ddptrain.memory --params 2.14e9 --world-size 2 --zero --param-dtype bf16 --ema   # + EMA on the GPUs
     python -m ddptrain.memory --table          # what fits where: sizes x GPUs x full/LoRA (139 GiB GPUs)
     python -m ddptrain.memory --table --preset glm-asr-nano --activations-gb 6   # 16/24/48/80 GB cards x tiers
 """
@@ -91,6 +101,7 @@ from torch import nn
 
 from ddptrain.config import Config, ConfigError, load_config
 from ddptrain.contract import to_device
+from ddptrain.ema import CHUNK_ELEMS as EMA_CHUNK_ELEMS
 from ddptrain.optim import param_groups
 from ddptrain.precision import KEEP_FP32
 from ddptrain.sharded_masters import partition
@@ -132,7 +143,9 @@ def _switches(cfg) -> dict:
             "offload": str(getattr(cfg.optim, "offload", "none")).lower() == "cpu",
             "chunk_mb": float(getattr(cfg.optim, "offload_chunk_mb", 256.0)),
             "streamed": str(getattr(cfg.lora, "base_offload", "none")).lower() == "cpu",
-            "ring": int(getattr(cfg.lora, "stream_ahead", 1)) + 1}
+            "ring": int(getattr(cfg.lora, "stream_ahead", 1)) + 1,
+            "ema": bool(getattr(getattr(cfg, "ema", None), "enabled", False)),
+            "ema_device": str(getattr(getattr(cfg, "ema", None), "device", "auto")).lower()}
 
 
 def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int:
@@ -203,7 +216,8 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         cfg: a :class:`ddptrain.Config`: ``optim.name``, ``optim.momentum``, ``optim.zero``,
             ``optim.shard_grads``, ``optim.offload``, ``optim.offload_chunk_mb``,
             ``dist.gradient_as_bucket_view``, ``trainer.precision``, ``trainer.param_dtype``,
-            ``lora.base_offload``, ``lora.stream_ahead`` are read (a missing key = off);
+            ``lora.base_offload``, ``lora.stream_ahead``, ``ema.enabled``, ``ema.device`` are
+            read (a missing key = off);
             default: defaults.
         world_size: number of ranks (DDP, ZeRO, sharded gradients only act when > 1; offload
             gives each rank 1/N of the host state).
@@ -216,16 +230,16 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
 
     Returns:
         dict of bytes: on the GPU ``params`` (resident weights), ``stream_ring``, ``grads``,
-        ``masters``, ``optimizer``, ``ddp_buckets``, ``total`` (their sum), the transient
+        ``masters``, ``optimizer``, ``ddp_buckets``, ``ema``, ``total`` (their sum), the transient
         ``autocast_weight_copies`` and ``master_grads``; per rank on the host ``host_masters``,
         ``host_optimizer``, ``host_grads`` (bf16 staging), ``host_scratch`` (one fp32 chunk),
-        ``host_base`` (a streamed frozen base, pinned), ``host_total``; plus ``num_params`` and
+        ``host_base`` (a streamed frozen base, pinned), ``host_ema``, ``host_total``; plus ``num_params`` and
         ``num_trainable`` (counts).
 
     Raises:
         ValueError: world_size < 1, a negative parameter count (or more trainable than all), an
-            optimizer with no rule, offload without ``param_dtype: bf16``, or a streamed base
-            given by count without ``stream_ring_bytes``.
+            optimizer with no rule, offload without ``param_dtype: bf16`` (or with ``ema.device:
+            gpu``), or a streamed base given by count without ``stream_ring_bytes``.
     """
     if cfg is None:
 
@@ -241,6 +255,9 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
     shard_grads = sw["shard_grads"] and ddp
     if offload and not bf16:
         raise ValueError("optim.offload=cpu needs trainer.param_dtype=bf16 (as the Trainer does)")
+    if offload and sw["ema"] and sw["ema_device"] == "gpu":
+        raise ValueError("ema.device=gpu with optim.offload=cpu is refused by the config: ema.device=auto keeps "
+                         "the EMA in host memory, beside the masters")
     chunk_elems = max(1, int(sw["chunk_mb"] * 2**20 / 2))  # as ddptrain/offload.py: MB of bf16 gradients
     host = {"masters": 0, "optimizer": 0, "grads": 0, "scratch": 0}
     ring = host_base = 0
@@ -322,10 +339,17 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         if not ddp and int(cfg.trainer.grad_accum_steps) == 1:
             grad_bytes = 0  # one rank: each gradient leaves for the host as the backward makes it
     buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view and not shard_grads else 0
+    ema = host_ema = 0
+    if sw["ema"]:  # fp32, partitioned as the optimizer state: `shard` is the most loaded rank's share
+        if sw["ema_device"] == "cpu" or (sw["ema_device"] == "auto" and offload):
+            # ema.device=cpu with the weights on the GPU: two pinned buffers the update copies through
+            host_ema = 4 * shard + (2 * 4 * EMA_CHUNK_ELEMS if shard and not offload else 0)
+        else:
+            ema = 4 * shard
     autocast = 2 * num_trainable if cfg.trainer.precision in ("bf16", "fp16") and not bf16 else 0
     # frozen weights are cast too, but count the trainable ones: a frozen feature encoder's
     # casts are freed as soon as its (gradient-free) forward is done
-    host_total = sum(host.values()) + host_base
+    host_total = sum(host.values()) + host_base + host_ema
     return {
         "params": int(param_bytes),
         "stream_ring": int(ring),
@@ -333,7 +357,8 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         "masters": int(masters),
         "optimizer": int(opt_bytes),
         "ddp_buckets": int(buckets),
-        "total": int(param_bytes + ring + grad_bytes + masters + opt_bytes + buckets),
+        "ema": int(ema),
+        "total": int(param_bytes + ring + grad_bytes + masters + opt_bytes + buckets + ema),
         "autocast_weight_copies": int(autocast),
         "master_grads": int(master_grads),
         "host_masters": int(host["masters"]),
@@ -341,6 +366,7 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         "host_grads": int(host["grads"]),
         "host_scratch": int(host["scratch"]),
         "host_base": int(host_base),
+        "host_ema": int(host_ema),
         "host_total": int(host_total),
         "num_params": int(num_params),
         "num_trainable": int(num_trainable),
@@ -359,8 +385,10 @@ def format_table(est: dict, title: str = "", local_world_size: int = 1,
     if est.get("stream_ring"):
         rows.append(("streamed base ring", est["stream_ring"]))
     rows += [("gradients", est["grads"]), ("fp32 master weights", est["masters"]),
-             ("optimizer state", est["optimizer"]), ("DDP buckets (extra)", est["ddp_buckets"]),
-             ("total model state", est["total"]), ("+ autocast copies (transient)", est["autocast_weight_copies"]),
+             ("optimizer state", est["optimizer"]), ("DDP buckets (extra)", est["ddp_buckets"])]
+    if est.get("ema"):
+        rows.append(("EMA of the weights (fp32)", est["ema"]))
+    rows += [("total model state", est["total"]), ("+ autocast copies (transient)", est["autocast_weight_copies"]),
              ("+ fp32 master grads (transient)", est["master_grads"])]
     if activations is not None:
         rows.append(("+ activations (one step)", activations))
@@ -373,7 +401,8 @@ def format_table(est: dict, title: str = "", local_world_size: int = 1,
         host = [("host: fp32 master weights", est["host_masters"]), ("host: optimizer state", est["host_optimizer"]),
                 ("host: gradient/weight staging", est["host_grads"]),
                 ("host: fp32 gradient chunk", est["host_scratch"]),
-                ("host: frozen base (pinned)", est["host_base"]), ("host total per rank", est["host_total"])]
+                ("host: frozen base (pinned)", est["host_base"]), ("host: EMA of the weights", est.get("host_ema", 0)),
+                ("host total per rank", est["host_total"])]
         if local_world_size > 1:
             host.append((f"host total per node ({local_world_size} ranks)", est["host_total"] * local_world_size))
         lines += [f"{name:32s}{b / 1e9:10.2f}{b / 2**30:10.2f}{b / n:10.2f}" for name, b in host if b]
@@ -596,6 +625,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "needed with --params, a preset knows it")
     p.add_argument("--activations-gb", type=float, default=None,
                    help="GiB of activations per GPU, e.g. measured with ddptrain.memory.measure_activations")
+    p.add_argument("--ema", action="store_true", help="ema.enabled=true (an fp32 EMA of the trainable weights, "
+                                                      "partitioned as the optimizer state)")
+    p.add_argument("--ema-device", default=None, choices=["auto", "gpu", "cpu"],
+                   help="ema.device (default auto: host memory under --offload, else the GPU)")
     p.add_argument("--optim", default=None, choices=["adamw", "adam", "sgd"], help="optim.name (default adamw)")
     p.add_argument("--no-momentum", action="store_true", help="SGD without momentum")
     p.add_argument("--no-bucket-view", action="store_true", help="dist.gradient_as_bucket_view=false")
@@ -634,6 +667,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg.optim.offload_chunk_mb = args.offload_chunk_mb or sw["chunk_mb"]
     cfg.lora.base_offload = "cpu" if sw["streamed"] or args.base_offload else "none"
     cfg.lora.stream_ahead = sw["ring"] - 1 if args.stream_ahead is None else args.stream_ahead
+    cfg.ema.enabled = sw["ema"] or args.ema
+    cfg.ema.device = args.ema_device or sw["ema_device"]
 
     block = preset.get("stream_block_params") if preset else None
     ring = args.stream_ring_gb * GiB if args.stream_ring_gb is not None else (
@@ -652,6 +687,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("--params or --preset is required (or --table)")
     if cfg.optim.offload == "cpu" and cfg.trainer.param_dtype != "bf16":
         p.error("--offload needs --param-dtype bf16 (optim.offload=cpu needs trainer.param_dtype=bf16)")
+    if cfg.optim.offload == "cpu" and cfg.ema.enabled and cfg.ema.device == "gpu":
+        p.error("--ema-device gpu with --offload: the config refuses it (auto keeps the EMA on the host, beside the "
+                "masters)")
     if cfg.lora.base_offload == "cpu" and ring is None:
         p.error("--base-offload with --params needs --stream-ring-gb (the GPU ring of streamed blocks)")
     est = estimate_model_state(num_params, cfg, args.world_size, trainable, stream_ring_bytes=ring,
@@ -660,7 +698,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     tiers = [" + ZeRO" if o.zero and args.world_size > 1 else "",
              " + sharded grads" if o.shard_grads and args.world_size > 1 else "",
              " + optimizer offload" if o.offload == "cpu" else "",
-             " + streamed base" if cfg.lora.base_offload == "cpu" else ""]
+             " + streamed base" if cfg.lora.base_offload == "cpu" else "",
+             f" + EMA ({cfg.ema.device})" if cfg.ema.enabled else ""]
     title = (f"{preset['title'] + ': ' if preset else ''}{num_params:.3g} parameters"
              f"{f' ({trainable:.3g} trainable)' if trainable is not None else ''}, "
              f"{args.world_size} GPU(s), optim={o.name}{''.join(tiers)}, precision={cfg.trainer.precision}"

@@ -240,14 +240,17 @@ def read_weights(path: str) -> tuple[str, dict]:
 
 
 def load_weights(model: nn.Module, path: str, strict: bool = True, base: Optional[str] = None,
-                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None) -> dict:
+                 dtype: Optional[torch.dtype] = None, device: Union[str, torch.device, None] = None,
+                 which: str = "model") -> dict:
     """Load safetensors weights (a file, or a checkpoint folder) into ``model``.
 
     A trainable-only checkpoint (``checkpoint.trainable_only``) is composed: first its base
     model, read tensor by tensor (:func:`load_pretrained`; a model built with
     ``empty_weights()`` is allocated in ``dtype`` on ``device`` here), then the checkpoint's own
     tensors. The LoRA adapters a checkpoint holds are added to a model that has none yet
-    (layers and scalings from the file's header).
+    (layers and scalings from the file's header). ``which="ema"`` puts the checkpoint's EMA
+    (``ema.enabled``, ddptrain/ema.py) over the trained tensors it averages, in fp32 until the
+    model's own dtype rounds them, as the Trainer's evaluation swaps them in.
 
     Args:
         path: a ``.safetensors`` file, a checkpoint folder holding ``model.safetensors``, or a
@@ -256,29 +259,41 @@ def load_weights(model: nn.Module, path: str, strict: bool = True, base: Optiona
             initialisation used for fine-tuning with, say, a new output vocabulary.
         base: the base model of a trainable-only checkpoint, if not where the checkpoint says.
         dtype, device: for tensors allocated while loading the base (meta models).
+        which: ``model`` (default): the trained weights; ``ema``: the EMA weights (an error
+            naming the checkpoint folder when it has none); ``auto``: the EMA when the
+            checkpoint's evaluation measured it (what ``keep_best`` ranked), as
+            ``python -m ddptrain.weights export`` chooses (:func:`checkpoint_ema`).
 
     Returns:
-        ``{"missing": [...], "unexpected": [...], "mismatched": [...], "loaded": n}``.
+        ``{"missing": [...], "unexpected": [...], "mismatched": [...], "loaded": n,
+        "weights": "ema" | "model"}``.
 
     Raises:
         CheckpointError: file missing/corrupt, or (strict) any key or shape mismatch, with a
-            readable diff; a trainable-only checkpoint whose base model cannot be found.
+            readable diff; a trainable-only checkpoint whose base model cannot be found;
+            ``which="ema"`` and no EMA in the checkpoint.
     """
     file = weights_file(path)
     info = weights_info(file)
     source, saved = read_weights(file)
+    averaged = checkpoint_ema(file, which)
+    unknown = sorted(set(averaged) - set(saved))
+    if unknown:
+        raise CheckpointError(f"the EMA of {file} has tensors its weights lack: {unknown[:10]}")
+    saved.update(averaged)  # fp32: load_state_dict rounds each to the model's dtype
     target = unwrap(model)
     if not info["trainable_only"]:
         add_adapters(target, info["lora_scalings"], saved)  # a LoRA run's full checkpoint into a plain model
-        return apply_weights(target, source, saved, strict=strict)
-    base_report = load_pretrained(target, base or resolve_base(info["base_model"], file), dtype=dtype,
-                                  device=device, strict=False, skip=saved)
-    add_adapters(target, info["lora_scalings"], saved)
-    need = set(saved) | set(base_report["missing"]) if strict else None  # what the base did not provide
-    report = apply_weights(target, source, saved, strict=strict, expect=need)
-    if strict and base_report["unexpected"]:
-        raise CheckpointError(f"base model of {file} has tensors this model lacks: {base_report['unexpected'][:20]}")
-    return report
+        report = apply_weights(target, source, saved, strict=strict)
+    else:
+        base_report = load_pretrained(target, base or resolve_base(info["base_model"], file), dtype=dtype,
+                                      device=device, strict=False, skip=saved)
+        add_adapters(target, info["lora_scalings"], saved)
+        need = set(saved) | set(base_report["missing"]) if strict else None  # what the base did not provide
+        report = apply_weights(target, source, saved, strict=strict, expect=need)
+        if strict and base_report["unexpected"]:
+            raise CheckpointError(f"base model of {file} has tensors this model lacks: {base_report['unexpected'][:20]}")
+    return {**report, "weights": "ema" if averaged else "model"}
 
 
 def apply_weights(model: nn.Module, source: str, saved: dict, strict: bool = True,
@@ -662,18 +677,22 @@ def checkpoint_ema(path: str, which: str = "auto") -> dict:
         CheckpointError: ``which=ema`` and ``path`` is no checkpoint with an EMA; a bad ``which``.
     """
     if which not in ("auto", "ema", "model"):
-        raise CheckpointError(f"weights to export: {which!r} is not one of auto, ema, model")
-    folder = os.path.dirname(os.path.abspath(weights_file(path)))
+        raise CheckpointError(f"which weights: {which!r} is not one of auto, ema, model")
+    file = weights_file(path)
+    folder = os.path.dirname(os.path.abspath(file))
     if which == "model":
         return {}
     saved = all(os.path.isfile(os.path.join(folder, n)) for n in (COMPLETE, "meta.json"))  # a ddptrain checkpoint
     meta = read_meta(folder).get("ema") if saved else None
     if which == "auto" and not (meta and meta.get("evaluated")):
         return {}
+    if not saved:
+        raise CheckpointError(f"{file} is not in a complete ddptrain checkpoint folder (no {COMPLETE} and meta.json "
+                              "beside it), so it has no EMA weights: ask for its trained weights ('model')")
     found = saved_ema(folder) if meta else {}
     if not found:
-        raise CheckpointError(f"{path} holds no EMA weights (it was not saved with ema.enabled=true): "
-                              "export its trained weights (--weights model)")
+        raise CheckpointError(f"checkpoint {folder} holds no EMA weights (it was not saved with ema.enabled=true): "
+                              "ask for its trained weights ('model') instead")
     return found
 
 

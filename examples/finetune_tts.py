@@ -108,7 +108,7 @@ MODEL_FILES = {"config.json": ("config.json",), "model.safetensors (or pytorch_m
 @dataclass
 class TTSConfig:
     path: str = ""  # VoxCPM checkpoint folder (config.json, model.safetensors, audiovae.*, tokenizer); "" = random init from preset
-    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (published layout, ~0.8B) | tiny-v2 (VoxCPM2, tests)
+    preset: str = "tiny"  # random init: tiny (CPU tests, demo) | voxcpm1.5 (published layout, ~0.8B) | voxcpm2 (published layout, 2.3B) | tiny-v2 (VoxCPM2, tests)
     vae_seed: int = 0  # random init: seed of the random VAE's weights (the latent cache records it)
     diff_weight: float = 1.0  # weight of the flow-matching loss (upstream lambdas["loss/diff"])
     stop_weight: float = 1.0  # weight of the stop loss (upstream lambdas["loss/stop"])
@@ -593,7 +593,7 @@ def main(argv: list[str]) -> dict:
     info = ddptrain.setup_distributed(cfg)
     b, objective, train, evals, eval_utts = build(cfg, info)
     trainer = TTSTrainer(b.model, objective, cfg, train, eval_data=evals, metrics_fn=objective.metrics,
-                         flops_fn=VoxCpmFlops(b.model, b.layout).of_batch)  # MFU in the log
+                         flops_fn=VoxCpmFlops(b.model, b.layout, cfg.lora.enabled).of_batch)  # MFU in the log
     trainer.eval_seed = cfg.tts.eval_seed
     objective.progress = lambda: trainer.progress.step / max(1, trainer.total_steps)
     if info.is_main and cfg.tts.num_samples and eval_utts:

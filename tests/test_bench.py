@@ -22,7 +22,7 @@ sys.path.insert(0, BENCH)
 MODULES = ["flops", "measure", "profiling", "workloads", "peers", "run", "gpu_session", "check_flops",
            "bench_balance", "bench_padding", "bench_dataloading", "bench_9b", "bench_glmasr",
            "bench_voxcpm", "bench_shards", "calib", "nccl_probe", "check_offload", "check_activation_offload",
-           "check_sharded_grads", "check_streamed_base"]
+           "check_sharded_grads", "check_streamed_base", "profile_table"]
 
 
 def rows(path):
@@ -164,6 +164,53 @@ def test_a_peer_process_that_fails_or_runs_too_long_is_an_error_row(tmp_path):
     slow = "import time; print('started', flush=True); time.sleep(60)"
     ok, row = peer_row([sys.executable, "-c", slow], str(tmp_path / "no.json"), 3, peer="slow")
     assert not ok and row["error"] == "did not finish within 3 s" and "started" in row["tail"]
+
+
+def test_a_voxcpm_peer_that_ran_out_of_memory_is_a_readable_error_row():
+    import bench_voxcpm as bv
+
+    tail = "Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+    row = bv.failed_row({"peer": "upstream", "batch": 32, "error": tail})
+    assert row["error"].startswith("torch.OutOfMemoryError") and row["oom"] and row["tail"] == tail
+    assert row["batch"] == 32
+    row = bv.failed_row({"peer": "p", "error": "Traceback\nValueError: bad\n"})
+    assert row["error"] == "ValueError: bad" and not row["oom"]
+    # a timeout keeps its own message; the output's tail decides whether memory ran out first
+    row = bv.failed_row({"peer": "p", "error": "did not finish within 9 s", "tail": "CUDA out of memory"})
+    assert row["error"] == "did not finish within 9 s" and row["oom"]
+
+
+def test_upstreams_length_filter_drops_what_its_script_drops():
+    # scripts/train_voxcpm_finetune.py: max_sample_len = max_batch_tokens // batch_size over
+    # compute_sample_lengths' text + ceil(ceil(seconds x fps) / patch) + 2 (+ the reference's + 2)
+    import math
+
+    import bench_voxcpm as bv
+
+    speech = bv.corpus(40, 512, 16000)
+    length = lambda i: len(speech.tokens(i)) + math.ceil(math.ceil(speech.durations[i] * 25) / 4) + 2  # noqa: E731
+    lengths = [length(i) for i in range(40)]
+    limit = sorted(lengths)[20]
+    keep = bv.upstream_keep(speech, 4, 4 * limit + 3, 25.0, 4, ref=False)  # 4 * limit + 3 // 4 == limit
+    assert keep == [i for i in range(40) if lengths[i] <= limit] and 20 <= len(keep) < 40
+    assert bv.upstream_keep(speech, 4, 0, 25.0, 4, ref=False) == list(range(40))
+    with_ref = bv.upstream_keep(speech, 4, 4 * limit + 3, 25.0, 4, ref=True)  # each also carries the next one's audio
+    assert with_ref == [i for i in range(40) if lengths[i] + lengths[(i + 1) % 40] - len(speech.tokens((i + 1) % 40))
+                        <= limit]
+
+
+def test_the_voxcpm2_plan_names_peers_the_bench_knows_and_times_out_inside_its_jobs():
+    import bench_voxcpm as bv
+    import gpu_session
+
+    jobs = [j for stage in gpu_session.SCRIPT_PLANS["voxcpm2"] for j in stage]
+    peers = set(bv.OVERRIDES) | set(bv.UPSTREAM_PEERS)
+    for job in jobs:
+        opt = lambda k: job.args[job.args.index(k) + 1]  # noqa: E731
+        assert job.gpus == "0" and opt("--arch") == "voxcpm2" and opt("--peers") in peers, job.label
+        assert float(opt("--timeout")) < job.timeout, f"{job.label}: the bench must write its row before the kill"
+    assert {j.args[j.args.index("--peers") + 1] for j in jobs} >= {
+        "ddptrain_best_md320", "upstream", "ddptrain_lora_md320", "upstream_lora", "ddptrain_offload_rc_md320"}
 
 
 def test_timed_loss_windows_the_timed_steps():

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 pytest.importorskip("transformers")
 import bench_9b  # noqa: E402
+from ddptrain.memory import PRESETS  # noqa: E402
 
 
 def test_flop_model_counts_the_real_decoder():
@@ -54,5 +55,24 @@ def test_plan_dry_runs_on_cpu(tmp_path):
     assert lora["adapted_layers"] == 12 and 0 < lora["num_trainable"] < 0.1 * lora["num_params"]
     assert zero["world_size"] == 2 and zero["num_trainable"] == zero["num_params"]
     assert lora["recomputed"] == zero["recomputed"] == 2
+    # the peers' shared targets: the row trains exactly their adapters (the job itself refuses otherwise)
+    assert lora["num_trainable"] == bench_9b.lora_trainable(bench_9b.build({"model": "9b"}, "tiny", torch.device("meta")))
     if "lora_hf_peft" in rows:  # the same adapters through peft
         assert rows["lora_hf_peft"]["num_trainable"] == lora["num_trainable"]
+        assert rows["lora_hf_peft"]["adapted_layers"] == lora["adapted_layers"]
+
+
+def test_both_peers_adapt_the_same_decoder_layers_and_never_the_vision_tower(monkeypatch):
+    """ddptrain's globs and peft's regex select the same layers: attention and MLP projections of
+    every decoder layer (6 a layer), none of the vision tower; at the real shape that is the 47.6M
+    adapter parameters both rows record (ddptrain.memory's preset). Targets that differ are refused."""
+    real = bench_9b.build({"model": "9b"}, "real", torch.device("meta"))
+    layers = bench_9b.lora_layers(real)
+    assert len(layers) == 6 * 40 and not any("visual" in n for n in layers)
+    assert any(n.endswith("visual.blocks.0.attn.qkv") for n, _ in real.named_modules())  # what "q/k/v" is there
+    assert bench_9b.lora_trainable(real) == 47_595_520 == PRESETS["glm4v-9b-lora"]["trainable"]
+    monkeypatch.setattr(bench_9b, "PEFT_TARGETS", bench_9b.PEFT_TARGETS + r"|.*visual\.blocks\.\d+\.attn\.qkv")
+    with pytest.raises(ValueError, match=r"only ddptrain's \[\], only peft's \['model.visual.blocks.0.attn.qkv'"):
+        bench_9b.lora_layers(real)
+    with pytest.raises(RuntimeError, match="peft trains 21,299,200 parameters, the shared LoRA targets 47,595,520"):
+        bench_9b.check_trainable("peft", 21_299_200, 47_595_520)

@@ -341,3 +341,52 @@ def test_export_of_the_ema_without_one_and_bad_keys_are_refused(tmp_path):
             make_cfg(tmp_path, "ema.enabled=true", bad)
     with pytest.raises(ConfigError, match="ema.device=gpu with optim.offload=cpu"):
         make_cfg(tmp_path, "ema.enabled=true", "ema.device=gpu", "optim.offload=cpu", *BF16)
+
+
+# ----------------------------------------------------------------------------- loading outside training
+
+
+@pytest.mark.parametrize("extra", [(), BF16], ids=["fp32", "bf16-masters"])
+def test_load_weights_gives_the_checkpoints_ema_or_its_trained_weights(tmp_path, extra):
+    """load_weights(which=ema) puts the checkpoint's EMA into a fresh model (rounded to the model's
+    dtype only), which=model / auto without ema.evaluate its trained weights, which=auto with it the
+    EMA; the export of either set holds the same tensors (in the stored dtype)."""
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path, "trainer.max_steps=3", "ema.enabled=true", "ema.decay=0.5", *extra)
+    ddptrain.Trainer(FrameMLP(), frame_loss, cfg, [b for mb in micro_batches(3) for b in mb][:3]).fit()
+    step = str(tmp_path / "checkpoints" / "step_00000003")
+    ema, trained = ema_module.saved_ema(step), load_file(os.path.join(step, "model.safetensors"))
+    assert set(ema) == set(trained) and any(not torch.equal(ema[k].float(), trained[k].float()) for k in ema)
+    for which, want in (("ema", ema), ("model", trained), ("auto", ema)):  # auto: ema.evaluate is on
+        model = FrameMLP()
+        report = ddptrain.load_weights(model, str(tmp_path), which=which)  # the run folder: its newest checkpoint
+        assert report["weights"] == ("model" if which == "model" else "ema") and report["loaded"] == len(want)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k].float()), (which, k)
+        out = tmp_path / f"export_{which}"
+        assert weights.main(["export", step, str(out), "--weights", which]) == 0
+        exported = load_file(str(out / "model.safetensors"))
+        assert all(torch.equal(exported[k], want[k].to(trained[k].dtype)) for k in trained), which
+    # bf16 params: the EMA rounded to bf16 as the Trainer's evaluation swaps it in
+    model = FrameMLP().to(torch.bfloat16)
+    ddptrain.load_weights(model, step, which="ema")
+    assert all(torch.equal(v, ema[k].to(torch.bfloat16)) for k, v in model.state_dict().items())
+
+
+def test_without_an_ema_loading_gives_the_trained_weights_and_asking_for_it_names_the_folder(tmp_path):
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path, "trainer.max_steps=2")
+    ddptrain.Trainer(FrameMLP(), frame_loss, cfg, micro_batches(1)[0]).fit()
+    step = tmp_path / "checkpoints" / "step_00000002"
+    trained = load_file(str(step / "model.safetensors"))
+    model = FrameMLP()
+    assert ddptrain.load_weights(model, str(tmp_path), which="auto")["weights"] == "model"
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint {step} holds no EMA weights"):
+        ddptrain.load_weights(FrameMLP(), str(tmp_path), which="ema")  # the run folder: the checkpoint is named
+    loose = tmp_path / "loose.safetensors"
+    weights.save_weights(model, str(loose))
+    with pytest.raises(ckpt.CheckpointError, match=rf"{loose} is not in a complete ddptrain checkpoint"):
+        ddptrain.load_weights(FrameMLP(), str(loose), which="ema")
+    with pytest.raises(ckpt.CheckpointError, match="'best' is not one of auto, ema, model"):
+        ddptrain.load_weights(FrameMLP(), str(step), which="best")

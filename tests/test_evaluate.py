@@ -84,6 +84,39 @@ def test_asr_two_rank_scores_equal_one_rank(asr_run, tmp_path):
             assert two[m][k] == pytest.approx(v, abs=2e-4), (m, k)
 
 
+@pytest.fixture(scope="module")
+def asr_ema_run(tmp_path_factory):
+    """The ASR demo trained with an EMA (decay 0.5: far from the trained weights after 3 steps),
+    its final evaluation (the report's "after") measured on the EMA."""
+    import finetune_asr
+
+    tmp = tmp_path_factory.mktemp("asr_ema")
+    train, a = manifest(tmp, "base/train", 60), manifest(tmp, "base/test", 6)
+    report = finetune_asr.main(["--config", os.path.join(ROOT, "configs", "asr_demo.yaml"), f"trainer.output_dir={tmp}/run",
+                                f"data.tokenizer={tmp}/tok.json", f"data.train_manifest={train}",
+                                f"data.eval_manifest={a}", f"demo.test_manifests=[{a}]", "trainer.max_steps=3",
+                                "trainer.eval_every=0", "ema.enabled=true", "ema.decay=0.5", *TINY_ASR])
+    return {"tmp": tmp, "tests": [a], "report": report}
+
+
+def test_ema_weights_are_scored_as_the_training_run_scored_them_and_asked_for_by_name(asr_ema_run, asr_run, tmp_path):
+    import ddptrain
+    from ddptrain.checkpoint import CheckpointError
+
+    scored = {}
+    for which in ("auto", "ema", "model"):
+        out = tmp_path / which
+        scored[which] = evaluate.main([*asr_args(asr_ema_run, str(out)), "--which", which])
+        assert json.load(open(out / "report.json"))["which"] == ("model" if which == "model" else "ema")
+    a = asr_ema_run["tests"][0]
+    assert scored["auto"][a] == scored["ema"][a] == asr_ema_run["report"]["after"][a]  # the EMA, as the run measured
+    assert scored["model"] != scored["ema"]  # the trained weights are another model
+    with pytest.raises(CheckpointError, match=r"checkpoint .*run/checkpoints/step_00000003 holds no EMA weights"):
+        evaluate.main([*asr_args(asr_run, str(tmp_path / "none")), "--which", "ema"])
+    with pytest.raises(ddptrain.ConfigError, match="--which ema: name the checkpoint"):
+        evaluate.main(["--recipe", os.path.join(ROOT, "examples", "finetune_asr.py"), "--which", "ema", "x.jsonl"])
+
+
 def test_a_recipe_without_build_eval_and_no_manifest_are_refused(asr_run, tmp_path):
     import ddptrain
 

@@ -226,3 +226,74 @@ def test_latent_cache_holds_the_references_and_is_reused(corpus, tmp_path):
     open(train, "w").writelines(json.dumps(r) + "\n" for r in rows)
     third = ft.prepare_manifest(cfg, train)
     assert (third["encoded"], third["reused"]) == (1, 1)
+
+
+def test_the_voxcpm2_preset_has_the_published_layout():
+    # the checkpoint's tensors: 577, these shapes (public listings of openbmb/VoxCPM2's model.safetensors)
+    layout = vt.preset_config("voxcpm2", 0, "bfloat16")
+    with torch.device("meta"):
+        vae = vt.vae_from_config(layout.audio_vae_config, "voxcpm2")
+        model = vt.build_model(layout, vt.char_tokenizer(), vae, "cpu", "voxcpm2")
+    state = model.state_dict()
+    assert len(state) == 577 and 2.28e9 < sum(p.numel() for p in model.parameters()) < 2.30e9
+    shapes = {"base_lm.embed_tokens.weight": (73448, 2048), "base_lm.layers.27.self_attn.q_proj.weight": (2048, 2048),
+              "base_lm.layers.0.self_attn.k_proj.weight": (256, 2048), "stop_head.weight": (2, 2048),
+              "feat_encoder.encoder.layers.11.self_attn.q_proj.weight": (2048, 1024),
+              "base_lm.layers.0.mlp.gate_proj.weight": (6144, 2048)}
+    assert {k: tuple(state[k].shape) for k in shapes} == shapes
+    assert (vae.sample_rate, vae.out_sample_rate, vae.hop_length, vt.frame_rate(layout.audio_vae_config)) == (
+        16000, 48000, 640, 25.0)
+    assert model.residual_lm.config.no_rope and len(model.feat_decoder.estimator.decoder.layers) == 12
+
+
+@pytest.mark.parametrize("preset, kv", [("tiny", 0), ("tiny-v2", 0), ("tiny-v2", 32)])
+def test_analytic_flops_match_the_counted_ones(preset, kv):
+    # the MFU of the recipe's log and of bench/bench_voxcpm.py: VoxCPM2's DiT sees 2P+3 tokens, and with
+    # kv_channels its layers attend wider than they are. Counted on attention's math kernel (the CPU's
+    # fused one is not counted), which computes a causal LM's whole S x S: the analytic count's half more
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.train_flops import VoxCpmFlops
+
+    arch = vt.preset_architecture(preset)
+    layout = vt.preset_config(preset, 512, "float32")
+    if kv:
+        for part in (layout.lm_config, layout.encoder_config, layout.dit_config):
+            part.kv_channels = kv
+        rope = layout.lm_config.rope_scaling  # one factor per rotary pair of the wider heads
+        rope.long_factor, rope.short_factor = [1.0] * (kv // 2), [1.0] * (kv // 2)
+    torch.manual_seed(0)
+    model = vt.build_model(layout, vt.char_tokenizer(), vt.vae_from_config(layout.audio_vae_config, arch), "cpu",
+                           arch).train()
+    # long enough that the LM's attention is a good part of the FLOPs
+    batch = ft.TTSCollator(2)([{"id": str(i), "text_ids": list(range(200, 230 + i)), "latents": torch.randn(160 + 2 * i, 16)}
+                               for i in range(3)])
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss, _ = ft.TTSObjective()(model, batch)
+        loss.backward()
+    flops = VoxCpmFlops(model, layout)
+    b, s = batch["text_mask"].shape
+    masked = sum(6.0 * n * d * b * s * s for _, n, d, local in flops.parts if local is None)
+    assert 0.99 < (flops(b, s) + masked) / counter.get_total_flops() < 1.02
+    assert VoxCpmFlops(model, layout, lora=True)(b, s) < 0.8 * flops(b, s)  # frozen weights: no weight gradients
+
+
+@pytest.mark.timeout(150)
+def test_bench_dry_run_voxcpm2(tmp_path):
+    # bench/bench_voxcpm.py --arch voxcpm2: upstream's LoRA step (2 accumulated micro-batches, references in
+    # front) against the recipe's LoRA config, both on tiny-v2 with the same adapters
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_voxcpm
+
+    out = tmp_path / "rows.jsonl"
+    assert bench_voxcpm.main(["--arch", "voxcpm2", "--dry", "--inline", "--ref-audio", "--peers",
+                              "upstream_lora,ddptrain_lora", "--out", str(out)]) == 0
+    up, ddp = [json.loads(x) for x in open(out)]
+    assert (up["peer"], ddp["peer"]) == ("upstream_lora", "ddptrain_lora")
+    for r in (up, ddp):
+        assert r["workload"] == "voxcpm2_tiny_dry" and r["ref_audio"] and r["steps"] == 2 and r["samples_per_s"] > 0
+        assert np.isfinite(r["loss"]) and r["mfu"] > 0 and 0 < r["trainable"] < r["params"] / 2
+    assert (up["name"], up["batch"], up["grad_accum"], up["samples_per_step"]) == ("upstream_lora_b4x2", 4, 2, 8)
+    assert up["trainable"] == ddp["trainable"] and up["params"] == ddp["params"]  # the same r 32 adapters, same layers
+    assert ddp["adapted_modules"] == 4 * (2 + 1 + 2)  # q/k/v/o of the base LM, the residual LM and the DiT

@@ -478,3 +478,94 @@ def test_measure_activations_on_cuda():
     assert got["activations"] >= 2048 * 1024 * 4 + 2 * 2048 * 4096 * 2 + 2048 * 1024 * 4
     assert got["peak"] == got["at_rest"] + got["activations"]
     assert all(p.grad is None for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- the EMA (ema.enabled)
+
+
+EMA_RUNS = {"replicated16": _BF, "zero": ("optim.zero=true",), "zero16": (*_BF, "optim.zero=true"),
+            "offload16": (*_BF, "optim.zero=true", "optim.offload=cpu")}
+
+
+def _net_loss(model, batch):
+    return model(batch["x"], batch["tok"]).float().square().sum(), torch.tensor(4.0)
+
+
+def _ema_worker(rank, world, out):
+    """Each config's real EMA tensors on this rank (ddptrain/ema.py, built by the Trainer)."""
+    ddptrain.setup_distributed(_cfg("trainer.device=cpu"))
+    batch = {"x": torch.randn(4, 7, generator=torch.Generator().manual_seed(rank)), "tok": torch.arange(4)}
+    got = {}
+    for run, extra in EMA_RUNS.items():
+        torch.manual_seed(0)
+        cfg = _cfg(f"trainer.output_dir={out}/{run}", "trainer.device=cpu", "logging.progress_bar=false",
+                   "ema.enabled=true", "checkpoint.save_at_end=false", *extra)
+        trainer = ddptrain.Trainer(Net(), _net_loss, cfg, [batch])
+        local = torch.tensor([sum(e.numel() * e.element_size() for e in trainer.ema.ema)])
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        torch.distributed.all_gather(gathered, local)
+        got[run] = {"per_rank": [int(g) for g in gathered], "est": estimate_model_state(trainer.module, cfg, world)}
+        trainer.close()
+    if rank == 0:
+        torch.save(got, os.path.join(out, "ema.pt"))
+
+
+@pytest.mark.timeout(180)
+def test_the_ema_estimate_is_the_real_ema_of_the_most_loaded_rank(tmp_path):
+    """2 gloo ranks: replicated (bf16 masters) every rank holds 4 B per trainable parameter; sharded
+    (fp32 ZeroRedundancyOptimizer, bf16 sharded masters, offload) each its partition; the estimate
+    is the most loaded rank's, on the GPU, or on the host beside offload's masters."""
+    run_ranks(_ema_worker, 2, str(tmp_path), timeout=150)
+    got = torch.load(tmp_path / "ema.pt", weights_only=False)
+    for run, r in got.items():
+        est, per_rank = r["est"], r["per_rank"]
+        where = "host_ema" if run == "offload16" else "ema"
+        assert est[where] == max(per_rank) and est["host_ema" if where == "ema" else "ema"] == 0, run
+        if run == "replicated16":
+            assert per_rank == [4 * est["num_trainable"]] * 2
+        else:
+            assert sum(per_rank) == 4 * est["num_trainable"] and max(per_rank) < 4 * est["num_trainable"], run
+
+
+@pytest.mark.parametrize("tier", sorted(TIER_TOTALS))
+@pytest.mark.parametrize("n_gpus", [1, 2, 4])
+@pytest.mark.parametrize("device", ["auto", "gpu", "cpu"])
+def test_the_ema_adds_4_bytes_per_owned_parameter_where_ema_device_says(tier, n_gpus, device):
+    """By count: an fp32 copy of the rank's share of the trainable parameters, on the GPU (auto
+    without offload, gpu), or in host memory (cpu; auto under offload), where cpu with the
+    weights on the GPU adds two pinned staging buffers; nothing else changes."""
+    from ddptrain.ema import CHUNK_ELEMS
+
+    n = 8000
+    base = _est(n, _tier(tier), n_gpus)
+    cfg = _tier(tier)
+    cfg.ema.enabled, cfg.ema.device = True, device
+    offload = tier.startswith("offload")
+    if offload and device == "gpu":
+        with pytest.raises(ValueError, match="ema.device=gpu with optim.offload=cpu"):
+            _est(n, cfg, n_gpus)
+        return
+    est = _est(n, cfg, n_gpus)
+    own = n // n_gpus if tier != "ddp" and (n_gpus > 1 or offload) else n
+    host = device == "cpu" or (device == "auto" and offload)
+    assert est["total"] - base["total"] == (0 if host else 4 * own)
+    assert est["ema"] == (0 if host else 4 * own)
+    staging = 2 * 4 * CHUNK_ELEMS if device == "cpu" and not offload else 0
+    assert est["host_total"] - base["host_total"] == est["host_ema"] == (4 * own + staging if host else 0)
+    assert {k: v for k, v in est.items() if "ema" not in k and "total" not in k} == \
+        {k: v for k, v in base.items() if "ema" not in k and "total" not in k}
+
+
+def test_cli_ema_flags(capsys):
+    assert main(["--params", "1e9", "--world-size", "2", "--zero", "--param-dtype", "bf16", "--ema"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("EMA of the weights"))
+    assert "+ EMA (auto)" in text and row.split()[-1] == "2.00"  # 4 B over 2 ranks per parameter
+    assert main(["--params", "1e9", "--param-dtype", "bf16", "--ema", "--ema-device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert not any(line.startswith("EMA of the weights") for line in lines)
+    assert any(line.startswith("host: EMA of the weights") for line in lines)
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--param-dtype", "bf16", "--offload", "--ema", "--ema-device", "gpu"])
+    assert "--ema-device gpu with --offload" in capsys.readouterr().err

@@ -145,35 +145,45 @@ class GlmAsrFlops:
 
 
 class VoxCpmFlops:
-    """Training FLOPs of one padded VoxCPM batch of B rows of S positions, patch P: base and
-    residual LM ``6 * P_layers * B*S + 6 * n * d * B * S^2`` (causal), local encoder on B*S rows of
-    P+1 tokens and local DiT on B*S rows of 2P+1 tokens ``6 * P_layers * rows * L + 12 * n * d *
-    rows * L^2``, the other weights ``6 * P * B*S``; the VAE (the recipe encodes the latents once,
-    beforehand) is not counted.
+    """Training FLOPs of one padded VoxCPM (or VoxCPM2) batch of B rows of S positions, patch P:
+    base and residual LM ``6 * P_layers * B*S + 6 * n * d * B * S^2`` (causal), local encoder on
+    B*S rows of P+1 tokens and local DiT on B*S rows of 2P+1 tokens (VoxCPM2: 2P+3, the base and
+    the residual LM's outputs and the time step as three tokens) ``6 * P_layers * rows * L + 12 * n *
+    d * rows * L^2``, the other weights ``6 * P * B*S``; ``d`` is the attention width (heads x
+    head size: VoxCPM2's 1024-wide local layers attend 2048 wide). The VAE (the recipe encodes the
+    latents once, beforehand) is not counted. With ``lora`` the weights are frozen: ``4 * P`` per
+    token instead of ``6 * P`` (forward and input gradient, no weight gradient; the adapters' own
+    FLOPs are left out).
 
     Args:
         model: the VoxCPM model without its VAE (examples/models/voxcpm_tts.py).
         layout: its config (``patch_size``).
+        lora: the weights are a frozen base under adapters.
     """
 
-    def __init__(self, model, layout):
+    def __init__(self, model, layout, lora: bool = False):
+        self.per_param = 4.0 if lora else 6.0
         lm, res = model.base_lm, model.residual_lm
         enc, dit = model.feat_encoder.encoder, model.feat_decoder.estimator.decoder
-        self.parts = [(_count(lm.layers), len(lm.layers), lm.config.hidden_size, None),
-                      (_count(res.layers), len(res.layers), res.config.hidden_size, None),
-                      (_count(enc.layers), len(enc.layers), enc.config.hidden_size, layout.patch_size + 1),
-                      (_count(dit.layers), len(dit.layers), dit.config.hidden_size, 2 * layout.patch_size + 1)]
+        width = lambda m: m.layers[0].self_attn.q_proj.out_features  # noqa: E731
+        # the DiT's tokens before its 2P: VoxCPM2Model's the two LMs' outputs and the time apart, VoxCPM's all summed
+        conditions = 3 if type(model).__name__ == "VoxCPM2Model" else 1
+        self.parts = [(_count(lm.layers), len(lm.layers), width(lm), None),
+                      (_count(res.layers), len(res.layers), width(res), None),
+                      (_count(enc.layers), len(enc.layers), width(enc), layout.patch_size + 1),
+                      (_count(dit.layers), len(dit.layers), width(dit), 2 * layout.patch_size + conditions)]
         big = sum(p for p, _, _, _ in self.parts) + lm.embed_tokens.weight.numel()
         self.other = _count(model) - big
 
     def __call__(self, b: int, s: int) -> float:
-        total = 6.0 * self.other * b * s
+        w = self.per_param
+        total = w * self.other * b * s
         for p, n, d, local in self.parts:
             if local is None:  # causal over the sequence
-                total += 6.0 * p * b * s + 6.0 * n * d * b * s * s
+                total += w * p * b * s + 6.0 * n * d * b * s * s
             else:  # b*s rows of `local` tokens, full attention
                 rows = b * s
-                total += 6.0 * p * rows * local + 12.0 * n * d * rows * local * local
+                total += w * p * rows * local + 12.0 * n * d * rows * local * local
         return total
 
     def of_batch(self, batch: dict) -> float:

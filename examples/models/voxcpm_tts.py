@@ -11,8 +11,13 @@ script trains them. What this file adds:
   ddptrain's dev dependencies already).
 * Presets for random-initialised models (:data:`PRESETS`): ``voxcpm1.5`` is VoxCPM-1.5's layout
   as published (MiniCPM4 base LM of 24 layers, 8-layer residual LM, 8-layer local encoder and
-  local DiT, patch size 4, a 44.1 kHz VAE at 25 latent frames/s; ~0.8B parameters); ``tiny`` is
-  a few hundred thousand parameters for CPU tests and the demo.
+  local DiT, patch size 4, a 44.1 kHz VAE at 25 latent frames/s; ~0.8B parameters); ``voxcpm2``
+  is VoxCPM2's (28-layer 2048-wide base LM, 8-layer residual LM without RoPE, 12-layer local
+  encoder and DiT, patch 4, the 16 kHz-in / 48 kHz-out AudioVAEV2; 2.29B parameters), its values
+  those of openbmb/VoxCPM2's config.json as quoted by several public projects that load it (the
+  Hugging Face file itself was not reachable when the preset was written; the built model has
+  the 577 tensors and the sentinel shapes they list); ``tiny`` is a few hundred thousand
+  parameters for CPU tests and the demo.
 * :func:`load_pretrained`: a checkpoint folder a user already has (``config.json``,
   ``model.safetensors`` or ``pytorch_model.bin``, ``audiovae.safetensors`` or ``audiovae.pth``,
   tokenizer files), read like upstream's ``VoxCPMModel.from_local(training=True)`` but strictly
@@ -145,15 +150,34 @@ def upstream_packer_class():
 # ---------------------------------------------------------------------------------- configs
 
 
-def _lm(hidden, ffn, heads, kv_heads, layers, vocab, max_pos) -> dict:
+def _lm(hidden, ffn, heads, kv_heads, layers, vocab, max_pos, rope_factors=None) -> dict:
     head_dim = hidden // heads
+    factors = list(rope_factors) if rope_factors is not None else [1.0] * (head_dim // 2)
     return {"bos_token_id": 1, "eos_token_id": 2, "hidden_size": hidden, "intermediate_size": ffn,
             "max_position_embeddings": max_pos, "num_attention_heads": heads, "num_hidden_layers": layers,
             "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-            "rope_scaling": {"type": "longrope", "long_factor": [1.0] * (head_dim // 2),
-                             "short_factor": [1.0] * (head_dim // 2), "original_max_position_embeddings": max_pos},
+            "rope_scaling": {"type": "longrope", "long_factor": factors, "short_factor": list(factors),
+                             "original_max_position_embeddings": max_pos},
             "vocab_size": vocab, "use_mup": False, "scale_emb": 12, "dim_model_base": 256, "scale_depth": 1.4,
             "rope_theta": 10000.0}
+
+
+# openbmb/VoxCPM2 config.json's LongRoPE factors (long_factor = short_factor), one per rotary pair of its 128-dim heads
+VOXCPM2_ROPE_FACTORS = (
+    0.9977997200264581, 1.014658295992452, 1.0349680404997148, 1.059429246056193, 1.0888815016813513,
+    1.1243301355211495, 1.166977103606075, 1.2182568066927284, 1.2798772354275727, 1.3538666751582975,
+    1.4426259039919596, 1.5489853358570191, 1.6762658237220625, 1.8283407612492941, 2.0096956085876183,
+    2.225478927469756, 2.481536379650452, 2.784415934557119, 3.1413289096347365, 3.560047844772632,
+    4.048719380066383, 4.615569542115128, 5.2684819496549835, 6.014438591970396, 6.858830049237097,
+    7.804668263503327, 8.851768731513417, 9.99600492938444, 11.228766118181639, 12.536757560834843,
+    13.902257701387796, 15.303885189125953, 16.717837610115794, 18.119465097853947, 19.484965238406907,
+    20.792956681060105, 22.02571786985731, 23.16995406772833, 24.217054535738416, 25.16289275000465,
+    26.007284207271347, 26.753240849586767, 27.40615325712662, 27.973003419175363, 28.461674954469114,
+    28.880393889607006, 29.237306864684626, 29.540186419591297, 29.79624387177199, 30.01202719065413,
+    30.193382037992453, 30.34545697551969, 30.47273746338473, 30.579096895249787, 30.66785612408345,
+    30.741845563814174, 30.80346599254902, 30.85474569563567, 30.897392663720595, 30.932841297560394,
+    30.962293553185553, 30.986754758742034, 31.007064503249293, 31.02392307921529,
+)
 
 
 PRESETS = {
@@ -183,6 +207,25 @@ PRESETS = {
                              "sample_rate": 16000},
         "max_length": 512,
     },
+}
+# VoxCPM2's published layout (openbmb/VoxCPM2 config.json): MiniCPM4 base LM of 28 layers (2048 wide, 16 heads
+# of 128, 2 KV heads), an 8-layer residual LM without RoPE, 12-layer local encoder and local DiT (1024 wide,
+# 16 heads of 128), patch 4, a 16 kHz-in / 48 kHz-out AudioVAEV2 (hop 640: 25 latent frames/s); ~2.3B
+# parameters without the VAE. config.json's "mean_mode": false is upstream's dit_mean_mode (its default)
+PRESETS["voxcpm2"] = {
+    "architecture": "voxcpm2",
+    "lm_config": {**_lm(2048, 6144, 16, 2, 28, 73448, 32768, VOXCPM2_ROPE_FACTORS), "kv_channels": 128},
+    "patch_size": 4, "feat_dim": 64, "residual_lm_num_layers": 8, "residual_lm_no_rope": True,
+    "scalar_quantization_latent_dim": 512, "scalar_quantization_scale": 9,
+    "encoder_config": {"hidden_dim": 1024, "ffn_dim": 4096, "num_heads": 16, "num_layers": 12, "kv_channels": 128},
+    "dit_config": {"hidden_dim": 1024, "ffn_dim": 4096, "num_heads": 16, "num_layers": 12, "kv_channels": 128,
+                   "dit_mean_mode": False,
+                   "cfm_config": {"sigma_min": 1e-6, "solver": "euler", "t_scheduler": "log-norm",
+                                  "inference_cfg_rate": 2.0}},
+    "audio_vae_config": {"encoder_dim": 128, "encoder_rates": [2, 5, 8, 8], "latent_dim": 64, "decoder_dim": 2048,
+                         "decoder_rates": [8, 6, 5, 2, 2, 2], "sr_bin_boundaries": [20000, 30000, 40000],
+                         "sample_rate": 16000, "out_sample_rate": 48000},
+    "max_length": 8192,
 }
 # CPU tests: VoxCPM2's layout in miniature: "tiny" with a 16 kHz-in / 48 kHz-out AudioVAEV2 (hop 640
 # in, 1920 out: 25 latent frames/s); the presets are deep-copied where they are used
@@ -261,16 +304,22 @@ class TextTokenizer:
 # ---------------------------------------------------------------------------------- model + VAE
 
 
-def build_model(config, hf_tokenizer, vae: torch.nn.Module, device: str, architecture: str = "voxcpm"
-                ) -> torch.nn.Module:
+def build_model(config, hf_tokenizer, vae: torch.nn.Module, device: str, architecture: str = "voxcpm",
+                upstream_lora=None) -> torch.nn.Module:
     """Upstream's ``VoxCPMModel`` (``VoxCPM2Model`` for ``voxcpm2``) for ``config``, with its VAE taken out again.
 
     The constructor needs a VAE (it reads its chunk size and sample rate) and makes the
     generation KV caches on ``device``; the VAE is then deleted from the module, as upstream's
     training script does before DDP, so it is neither trained nor saved nor all-reduced.
+    ``upstream_lora`` (upstream's own ``LoRAConfig``, for bench/bench_voxcpm.py's upstream peer;
+    the recipe adapts with ddptrain.lora instead) builds upstream's LoRA layers and freezes every
+    other weight, as its ``from_local(training=True, lora_config=...)`` does.
     """
-    model = model_class(architecture)(config, hf_tokenizer, vae, None, device=str(device))
+    model = model_class(architecture)(config, hf_tokenizer, vae, upstream_lora, device=str(device))
     del model.audio_vae
+    if upstream_lora is not None:
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora" in name)
     model.architecture = architecture  # save_pretrained writes it back into config.json
     return model
 
