@@ -6,10 +6,12 @@ One module owns the safetensors files ddptrain reads and writes: a checkpoint's
 without storage (:func:`empty_weights` + :func:`load_pretrained`), and exports as plain or
 Hugging Face sharded files (:func:`write_shards`, :func:`export_merged`: a LoRA checkpoint's
 adapters merged into its base; with ``ema.enabled``, its EMA weights by default, see
-:func:`checkpoint_ema`), and one file written a tensor at a time (:func:`save_streamed`: the
-checkpoint average of ddptrain/average.py)::
+:func:`checkpoint_ema`), a LoRA checkpoint's adapters alone (:func:`export_adapters`: one small
+file per adapter, loaded on top of a base kept once), and one file written a tensor at a time
+(:func:`save_streamed`: the checkpoint average of ddptrain/average.py)::
 
     python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16] [--weights model]
+    python -m ddptrain.weights adapters runs/x/checkpoints/step_00001000 out_dir/ [--name lora_weights.safetensors]
 
 Why it sits above checkpoint.py: a weights path may name a checkpoint or a run folder (its
 newest complete checkpoint), and a file in a checkpoint is checked against the folder's
@@ -81,7 +83,7 @@ HEADER_LORA_SCALINGS = "ddptrain.lora_scalings"
 __all__ = ["WEIGHTS", "DTYPES", "unwrap", "weights_file", "read_header", "weights_info", "resolve_base",
            "save_weights", "trainable_keys", "base_fingerprint", "weights_to_save", "read_weights", "load_weights",
            "apply_weights", "resume_keys", "SafetensorsSource", "empty_weights", "load_pretrained", "write_shards",
-           "save_streamed", "checkpoint_ema", "export_merged", "main"]
+           "save_streamed", "checkpoint_ema", "export_merged", "export_adapters", "main"]
 
 
 # ----------------------------------------------------------------------------- paths and headers
@@ -751,6 +753,53 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
             base.close()
 
 
+def export_adapters(checkpoint: str, out_dir: str, name: str = "adapters.safetensors", dtype: Optional[str] = None,
+                    weights: str = "auto") -> str:
+    """Write a LoRA checkpoint's adapters alone: every ``<layer>.lora_A`` / ``<layer>.lora_B``
+    tensor under the model's own names (a trainable-only checkpoint's other trained tensors too,
+    e.g. ``lora.trainable``), one safetensors file. Its header makes it a trainable-only weights
+    file: the base model (the checkpoint's, or for a full checkpoint the checkpoint's own file,
+    which holds the frozen base) and the scalings (layer -> alpha / r), so
+    ``ddptrain.load_weights(model, file)`` composes base and adapters, and a model's own adapter
+    loader reads the names (upstream VoxCPM's ``load_lora_weights``: examples/export_tts.py).
+
+    Args:
+        checkpoint: a checkpoint folder, a run folder or a ``model.safetensors`` file.
+        out_dir: the folder to write (created).
+        name: the file's name in ``out_dir``.
+        dtype: ``bf16`` | ``fp16`` | ``fp32`` for every floating tensor; default: as stored (the
+            fp32 masters under ``trainer.param_dtype: bf16``).
+        weights: ``auto`` | ``ema`` | ``model``, as :func:`export_merged`.
+
+    Returns:
+        The file written.
+
+    Raises:
+        ddptrain.CheckpointError: the checkpoint cannot be read, or holds no LoRA adapters.
+    """
+    file = weights_file(checkpoint)
+    info = weights_info(file)
+    cast = DTYPES[dtype] if dtype else None
+    with SafetensorsSource(file) as own:  # checked against the checkpoint's SHA256SUMS here, first
+        keys = [k for k in own.keys() if info["trainable_only"] or k.endswith((".lora_A", ".lora_B"))]
+        if not any(k.endswith(".lora_A") for k in keys):
+            raise CheckpointError(f"{file} holds no LoRA adapters (no *.lora_A tensor): it was not trained with "
+                                  "lora.enabled=true; export its weights with `python -m ddptrain.weights export`")
+        averaged = checkpoint_ema(file, weights)
+        tensors = {k: averaged[k].to(own.dtype(k)) if k in averaged else own.get(k) for k in keys}
+    tensors = {k: t.to(cast) if cast is not None and t.is_floating_point() else t for k, t in tensors.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    meta = {HEADER_LORA_SCALINGS: json.dumps(info["lora_scalings"]), HEADER_TRAINABLE_ONLY: "true",
+            HEADER_BASE_MODEL: info["base_model"] if info["trainable_only"] else os.path.abspath(file),
+            "source": file, "ddptrain.weights": "ema" if averaged else "model"}
+    if info["base_fingerprint"]:
+        meta[HEADER_BASE_FINGERPRINT] = info["base_fingerprint"]
+    save_weights(tensors, path + ".tmp", metadata=meta)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddptrain.weights",
                                 description="Weights tools. export: a checkpoint's weights, LoRA adapters merged in, as "
@@ -764,8 +813,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
                    help="ema: the checkpoint's EMA weights (ema.enabled); model: its trained weights; auto (default): "
                         "the EMA when the checkpoint's evaluation measured it (what keep_best ranked), else the trained")
+    a = sub.add_parser("adapters", help="write a LoRA checkpoint's adapters alone (the model's names), one file")
+    a.add_argument("checkpoint", help="checkpoint folder, run folder or model.safetensors")
+    a.add_argument("out_dir", help="output folder")
+    a.add_argument("--name", default="adapters.safetensors", help="the file's name (default: adapters.safetensors)")
+    a.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
+    a.add_argument("--weights", choices=["auto", "ema", "model"], default="auto", help="as for export")
     args = p.parse_args(argv)
-    files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb, args.weights)
+    if args.cmd == "adapters":
+        files = [export_adapters(args.checkpoint, args.out_dir, args.name, args.dtype, args.weights)]
+    else:
+        files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb, args.weights)
     print(json.dumps({"written": files, "weights": read_header(files[0])[1].get("ddptrain.weights")}, indent=1))
     return 0
 

@@ -12,14 +12,16 @@
 
 The recipe (``--recipe``) builds the model, the loss and the metrics as for training, through its
 ``build_eval(cfg, info, manifests)``; ``--weights`` (a checkpoint folder, a run folder: its newest
-complete checkpoint, or a ``.safetensors`` file, LoRA adapters included) are loaded with
-``ddptrain.load_weights``; ``--which`` picks the checkpoint's EMA weights (``ema``: an error naming
-the checkpoint folder when it has none), its trained weights (``model``), or (``auto``, the default)
-the EMA when the checkpoint's own evaluation measured it, so the scores match the training run's, as
-``python -m ddptrain.weights export`` chooses. Each manifest is scored by ``Trainer.evaluate`` (each rank its share,
-sums over ranks) and logged as ``[test MANIFEST step 0]``; rank 0 prints one line per set and
-writes ``report.json`` in ``--out`` (a run folder of its own: the training run's stays as it was).
-Without manifests, ``data.eval_manifest`` is scored. ``key=value`` overrides follow the config.
+complete checkpoint, or a ``.safetensors`` file, LoRA adapters included: ``lora.enabled`` adds
+none of its own) are loaded with ``ddptrain.load_weights``; ``--which`` picks the checkpoint's EMA
+weights (``ema``: an error naming the checkpoint folder when it has none), its trained weights
+(``model``), or (``auto``, the default) the EMA when the checkpoint's own evaluation measured it, so
+the scores match the training run's, as ``python -m ddptrain.weights export`` chooses. Each manifest
+is scored by ``Trainer.evaluate`` (each rank its share, sums over ranks) and logged as ``[test
+MANIFEST step 0]``; rank 0 prints one line per set and writes ``report.json`` in ``--out`` (a run
+folder of its own: the training run's stays as it was). Without manifests, ``data.eval_manifest``
+is scored. ``key=value`` overrides follow the config; with the TTS recipe, evaluation noise follows
+``trainer.seed``, so two models scored with one seed see the same flow-matching draws.
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ def main(argv: list[str]) -> dict:
     if not callable(getattr(module, "build_eval", None)):
         raise ddptrain.ConfigError(f"--recipe {args.recipe}: defines no build_eval(cfg, info, manifests)")
     # a run of its own: no resume from, and no clobbering of, the training run's folder; no EMA of
-    # its own either: the weights loaded (the EMA ones with --which ema) are what is scored
+    # its own either: the weights loaded (the EMA ones with --which ema) are what is scored; no
+    # adapters of its own (LoRA adapters come with --weights: load_weights adds them), and no base to
+    # gate against (eval.baseline)
     cfg = ddptrain.load_config(args.config, [*overrides, f"trainer.output_dir={args.out}", "checkpoint.resume=none",
-                                             "checkpoint.keep_best=0", "ema.enabled=false"], schema=schema)
+                                             "checkpoint.keep_best=0", "ema.enabled=false", "lora.enabled=false",
+                                             "eval.baseline=none"], schema=schema)
     manifests = manifests or [m for m in [cfg.data.eval_manifest] if m]
     if not manifests:
         raise ddptrain.ConfigError("no manifest to score: name test manifests after the options, or set data.eval_manifest")

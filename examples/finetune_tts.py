@@ -13,6 +13,8 @@
     # VoxCPM2 (hf download openbmb/VoxCPM2 --local-dir /models/VoxCPM2): full, or LoRA r=32 alpha=32
     torchrun --nproc_per_node=8 examples/finetune_tts.py --config configs/tts_voxcpm2_lora.yaml \
         tts.path=/models/VoxCPM2 data.train_manifest=my/train.jsonl
+    # one LoRA adapter per dialect on one base, base replay, a regression gate: docs/dialects.md;
+    # a run in upstream's layouts (a model folder, or a LoRA adapter): examples/export_tts.py
 
 VoxCPM2 is picked as upstream's training script picks it: by ``"architecture": "voxcpm2"`` in
 tts.path's config.json (random init: ``tts.preset=tiny-v2``). Then a manifest line's ``ref_audio``
@@ -31,7 +33,12 @@ flow matching of the latent patches ("diff") plus the stop head's cross-entropy 
 Data: JSONL manifests, NeMo's (``audio_filepath``, ``text``, optional ``duration``/``offset``/``id``)
 or upstream VoxCPM's unchanged (``audio``, ``text``, optional ``duration``, ``ref_audio``,
 ``dataset_id``: passed through to the cached utterances); a missing duration is read from the
-audio header once (ddptrain/data/manifest.py, ``data.fields`` for keys of other names).
+audio header once (ddptrain/data/manifest.py, ``data.fields`` for keys of other names). Named
+sources (``data.train_sources`` / ``data.eval_sources``, e.g. a dialect with the base language
+replayed: docs/dialects.md) are mixed and capped as the library mixes them (``data.train_weights``,
+``data.mix_temperature``, ``data.source_caps``: ddptrain/data/mix.py); evaluation then scores each
+source (``loss/<source>``, ``diff/<source>``, ``stop/<source>``, and ``loss/mean`` over them), which
+keep-best and the regression gate (``eval.baseline``) read.
 The audio is encoded to VAE latents once (examples/tts_cache.py, run here on rank 0 first: a
 no-op when the cache is current; ``python examples/prepare_tts.py`` does it beforehand), so
 training reads small latent files and the VAE never enters the trained module. Batches come
@@ -81,6 +88,9 @@ import ddptrain  # noqa: E402
 from ddptrain import runfolder  # noqa: E402
 from ddptrain.config import above, at_least, one_of, satisfies  # noqa: E402
 from ddptrain.data import DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
+from ddptrain.data.manifest import split_paths  # noqa: E402
+from ddptrain.data.mix import source_sampler  # noqa: E402
+from ddptrain.data.sampler import budget_lengths, sampler_settings  # noqa: E402
 from ddptrain.data.validate import budget_problems, keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 from models.folders import check_model_folder, download_command  # noqa: E402
@@ -241,8 +251,19 @@ def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device
         torch.set_num_threads(threads)
 
 
+def spec_manifests(spec) -> list[str]:
+    """The manifests of a data spec: a manifest (or comma-separated manifests), or ``{name: manifests}``."""
+    if isinstance(spec, dict):
+        return [m for paths in spec.values() for m in split_paths(paths)]
+    return split_paths(spec) if spec else []
+
+
 def config_manifests(cfg) -> list[str]:
-    return [m for m in [cfg.data.train_manifest, cfg.data.eval_manifest, *cfg.tts.test_manifests] if m]
+    """Every manifest the run reads (training and evaluation sources included), each once."""
+    d = cfg.data
+    found = [*spec_manifests(d.train_sources or d.train_manifest), *spec_manifests(d.eval_sources or d.eval_manifest),
+             *cfg.tts.test_manifests]
+    return list(dict.fromkeys(found))
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -253,12 +274,38 @@ def read_latent_cache(cfg, manifest: str, patch_size: int) -> list[CachedUtteran
     return read_cache(manifest, vae_spec(cfg), patch_size, encode_ref=architecture(cfg) == "voxcpm2")
 
 
+@dataclass
+class Utterances:
+    """The cached utterances of a data spec; with named sources (``data.train_sources`` /
+    ``eval_sources``) their names and each utterance's source number."""
+
+    utts: list[CachedUtterance]
+    names: Optional[list[str]] = None
+    source_of: Optional[list[int]] = None
+
+
+def read_sources(cfg, spec, patch_size: int) -> Utterances:
+    """The cached utterances of ``spec``: a manifest path (or comma-separated paths), or ``{name: manifests}``."""
+    if not isinstance(spec, dict):
+        return Utterances([u for m in spec_manifests(spec) for u in read_latent_cache(cfg, m, patch_size)])
+    utts, source_of = [], []
+    for s, paths in enumerate(spec.values()):
+        for m in split_paths(paths):
+            got = read_latent_cache(cfg, m, patch_size)
+            utts += got
+            source_of += [s] * len(got)
+    return Utterances(utts, [str(n) for n in spec], source_of)
+
+
 class LatentDataset(Dataset):
     """Cached utterances -> ``{"id", "text_ids", "latents", "ref_latents"}`` (read from their .npy;
-    ``ref_latents`` None without a cached ref_audio)."""
+    ``ref_latents`` None without a cached ref_audio), and ``"source"`` (its source's name) with
+    named sources."""
 
-    def __init__(self, utts: Sequence[CachedUtterance], text_ids: Sequence[list[int]]):
+    def __init__(self, utts: Sequence[CachedUtterance], text_ids: Sequence[list[int]],
+                 sources: Optional[Sequence[str]] = None):
         self.utts, self.text_ids = list(utts), list(text_ids)
+        self.sources = list(sources) if sources is not None else None
 
     def __len__(self) -> int:
         return len(self.utts)
@@ -270,8 +317,11 @@ class LatentDataset(Dataset):
             r = np.load(u.ref_latent_path) if u.ref_latent_path else None
         except (OSError, ValueError) as e:
             raise DataError(f"{u.source}:{u.line} (id {u.id}): cannot read latent file {u.latent_path}: {e}") from None
-        return {"id": u.id, "text_ids": self.text_ids[i], "latents": torch.from_numpy(z),
-                "ref_latents": None if r is None else torch.from_numpy(r)}
+        out = {"id": u.id, "text_ids": self.text_ids[i], "latents": torch.from_numpy(z),
+               "ref_latents": None if r is None else torch.from_numpy(r)}
+        if self.sources is not None:
+            out["source"] = self.sources[i]
+        return out
 
 
 class TTSCollator:
@@ -280,7 +330,8 @@ class TTSCollator:
     Batch keys: ``ids``; ``text_tokens``, ``text_mask``, ``audio_mask``, ``loss_mask``,
     ``labels``, ``position_ids`` (B, S); ``audio_feats`` (B, S, P, D); ``frames`` (int: the
     loss-masked latent frames, the loss's units) and ``patches`` (int), counted on the host so a
-    step needs no device sync. Padding (to a multiple of ``pad_multiple``) has every mask at 0.
+    step needs no device sync; ``sources`` (each utterance's source name) with named sources.
+    Padding (to a multiple of ``pad_multiple``) has every mask at 0.
     """
 
     def __init__(self, patch_size: int, pad_multiple: int = 1):
@@ -304,12 +355,17 @@ class TTSCollator:
         batch["position_ids"] = torch.arange(s).repeat(len(seqs), 1)  # unused by the model, as upstream
         patches = int(batch["loss_mask"].sum())
         batch.update(patches=patches, frames=patches * self.patch)
+        if "source" in examples[0]:
+            batch["sources"] = [e["source"] for e in examples]
         return batch
 
 
-def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train: bool, world_size: int,
-                 rank: int) -> DataLoader:
-    """Cached utterances -> a bucketed DataLoader of TTS batches.
+def build_loader(utterances: Utterances | Sequence[CachedUtterance], cfg, tokenizer, layout, train: bool,
+                 world_size: int, rank: int) -> DataLoader:
+    """Cached utterances -> a bucketed DataLoader of TTS batches; named sources (:func:`read_sources`)
+    are mixed as the ``data:`` section says (``data.train_weights`` or their sizes, through
+    ``data.mix_temperature``, capped by ``data.source_caps``: ddptrain/data/mix.py), and every
+    batch names each utterance's source (``batch["sources"]``, for per-source evaluation).
 
     Raises:
         DataError: under ``data.bad_data: error``, every utterance that cannot be batched, named
@@ -318,16 +374,18 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
             alone exceeds ``data.max_duration`` or its text alone ``tts.max_text_tokens``; or no
             utterance left.
     """
+    named = utterances if isinstance(utterances, Utterances) else Utterances(list(utterances))
+    utts = named.utts
     data, t = cfg.data, cfg.tts
     rate = vt.frame_rate(layout.audio_vae_config)
-    source = utts[0].source if utts else "(no manifest)"
+    source = ", ".join(dict.fromkeys(u.source for u in utts)) or "(no manifest)"
     # the library's budget check, the seconds counted as the sampler counts them
     # a reference recording's latents are sequence positions too: counted in the batch budget
     problems = budget_problems(utts, [(u.frames + u.ref_frames) / rate for u in utts], data,
                                cost_unit="of latent audio")
-    ids = {}
+    ids = {}  # by object: an id may repeat across sources
     for u in utts:
-        x = ids[u.id] = tokenizer(u.text)
+        x = ids[id(u)] = tokenizer(u.text)
         n = len(x) + u.frames // layout.patch_size + 2 + (u.ref_frames // layout.patch_size + 2 if u.ref_latent_path
                                                           else 0)
         if n > layout.max_length:
@@ -342,12 +400,22 @@ def build_loader(utts: Sequence[CachedUtterance], cfg, tokenizer, layout, train:
     # (the default one's advice) knows nothing of max_length or the latent budgets
     keep = keep_good(utts, problems, data.bad_data, source, f"{source}: {{summary}} for this model and batch "
                      "budget (data.bad_data=skip leaves them out):", print if rank == 0 else None)
-    ids = [ids[u.id] for u in keep]
-    sampler = DurationBucketSampler.from_config(np.array([(u.frames + u.ref_frames) / rate for u in keep]), data, train,
-                                                tokens=np.array([len(x) for x in ids], dtype=np.float64),
-                                                max_tokens=t.max_text_tokens, world_size=world_size, rank=rank)
-    return make_loader(LatentDataset(keep, ids), sampler, TTSCollator(layout.patch_size, data.pad_to_multiple), data,
-                       train)
+    text_ids = [ids[id(u)] for u in keep]
+    seconds = np.array([(u.frames + u.ref_frames) / rate for u in keep])
+    tokens = np.array([len(x) for x in text_ids], dtype=np.float64)
+    if named.names is None:
+        sampler = DurationBucketSampler.from_config(seconds, data, train, tokens=tokens, max_tokens=t.max_text_tokens,
+                                                    world_size=world_size, rank=rank)
+        return make_loader(LatentDataset(keep, text_ids), sampler, TTSCollator(layout.patch_size,
+                                                                               data.pad_to_multiple), data, train)
+    number = {id(u): s for u, s in zip(utts, named.source_of)}
+    source_of = np.array([number[id(u)] for u in keep], dtype=np.int64)
+    # a source's hours (data.source_caps) are its target audio; the budget also counts the reference
+    sampler = source_sampler(budget_lengths(seconds, data, train), source_of, named.names, data, train,
+                             seconds=np.array([u.frames / rate for u in keep]), tokens=tokens,
+                             max_tokens=t.max_text_tokens, **sampler_settings(data, train, world_size, rank))
+    return make_loader(LatentDataset(keep, text_ids, [named.names[s] for s in source_of]), sampler,
+                       TTSCollator(layout.patch_size, data.pad_to_multiple), data, train)
 
 
 # ---------------------------------------------------------------------------------- objective
@@ -377,11 +445,32 @@ class TTSObjective:
         return (self.wd * out["loss/diff"] + self.ws * out["loss/stop"]) * frames, frames
 
     def metrics(self, model, batch) -> dict:
-        """Eval metrics as (numerator, denominator): the diff loss per frame, the stop loss per patch."""
+        """Eval metrics as (numerator, denominator): the diff loss per frame, the stop loss per patch;
+        with named sources (``batch["sources"]``) also ``loss/<source>``, ``diff/<source>`` and
+        ``stop/<source>`` of each source's utterances, which the regression gate and ``loss/mean``
+        read (ddptrain/regression.py). Upstream's forward returns batch means, so a batch that
+        mixes sources is scored again, one forward per source."""
         out = self._last[1] if self._last and self._last[0] == id(batch) else self.outputs(model, batch)
         self._last = None
-        return {"diff": (float(out["loss/diff"]) * batch["frames"], batch["frames"]),
-                "stop": (float(out["loss/stop"]) * batch["patches"], batch["patches"])}
+        result = self._parts(out, batch["frames"], batch["patches"], with_loss=False)
+        names = batch.get("sources") or []
+        for name in sorted(set(names)):
+            rows = [i for i, n in enumerate(names) if n == name]
+            if len(rows) == len(names):
+                result.update(self._parts(out, batch["frames"], batch["patches"], name))
+                continue
+            sub = {k: v[rows] if torch.is_tensor(v) else v for k, v in batch.items()}
+            patches = int(sub["loss_mask"].sum())
+            result.update(self._parts(self.outputs(model, sub), patches * batch["frames"] // max(1, batch["patches"]),
+                                      patches, name))
+        return result
+
+    def _parts(self, out: dict, frames: int, patches: int, source: str = "", with_loss: bool = True) -> dict:
+        diff, stop, tail = float(out["loss/diff"]), float(out["loss/stop"]), f"/{source}" if source else ""
+        parts = {f"diff{tail}": (diff * frames, frames), f"stop{tail}": (stop * patches, patches)}
+        if with_loss:  # the Trainer sums the run's own "loss" from __call__
+            parts[f"loss{tail}"] = ((self.wd * diff + self.ws * stop) * frames, frames)
+        return parts
 
 
 # ---------------------------------------------------------------------------------- samples
@@ -474,12 +563,26 @@ def build(cfg, info) -> tuple:
             prepare_manifest(cfg, m, b.vae, info.device)
     ddptrain.dist.barrier()  # the other ranks read the caches rank 0 just wrote
     patch = b.layout.patch_size
-    train = build_loader(read_latent_cache(cfg, cfg.data.train_manifest, patch), cfg, b.tokenizer, b.layout, True,
-                         info.world_size, info.rank)
-    eval_utts = read_latent_cache(cfg, cfg.data.eval_manifest, patch) if cfg.data.eval_manifest else []
-    evals = (build_loader(eval_utts, cfg, b.tokenizer, b.layout, False, info.world_size, info.rank)
-             if eval_utts else None)
-    return b, TTSObjective(cfg.tts.diff_weight, cfg.tts.stop_weight), train, evals, eval_utts
+    d = cfg.data
+    train = build_loader(read_sources(cfg, d.train_sources or d.train_manifest, patch), cfg, b.tokenizer, b.layout,
+                         True, info.world_size, info.rank)
+    evals = read_sources(cfg, d.eval_sources or d.eval_manifest, patch)
+    loader = build_loader(evals, cfg, b.tokenizer, b.layout, False, info.world_size, info.rank) if evals.utts else None
+    return b, TTSObjective(cfg.tts.diff_weight, cfg.tts.stop_weight), train, loader, evals.utts
+
+
+def build_eval(cfg, info, manifests: list[str]) -> tuple:
+    """examples/evaluate.py's pieces: ``(model, loss_fn, metrics_fn, {manifest: eval loader})``, the
+    latent caches prepared on rank 0 first; each manifest is scored on its own (one set, one source)."""
+    b = build_model(cfg, info)
+    if info.is_main:
+        for m in manifests:
+            prepare_manifest(cfg, m, b.vae, info.device)
+    ddptrain.dist.barrier()
+    loaders = {m: build_loader(read_latent_cache(cfg, m, b.layout.patch_size), cfg, b.tokenizer, b.layout, False,
+                               info.world_size, info.rank) for m in manifests}
+    objective = TTSObjective(cfg.tts.diff_weight, cfg.tts.stop_weight)
+    return b.model, objective, objective.metrics, loaders
 
 
 def main(argv: list[str]) -> dict:

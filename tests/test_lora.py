@@ -307,6 +307,27 @@ def test_load_weights_composes_base_and_adapters_and_export_merges_them(tmp_path
     ddptrain.load_weights(Tiny(), str(tmp_path / "run"), base=base + ".moved")
 
 
+def test_adapters_export_holds_the_trained_tensors_alone_and_loads_on_the_base(tmp_path):
+    base = _base_file(tmp_path)
+    trained = _run(tmp_path / "run", base, 2).module.eval()
+    assert weights.main(["adapters", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    file = str(tmp_path / "out" / "adapters.safetensors")
+    saved, stored = load_file(file), weights.read_weights(str(tmp_path / "run"))[1]
+    assert set(saved) == set(stored) == set(lora_state_dict(trained)) | {"head.weight", "head.bias"}  # no base tensor
+    assert all(torch.equal(v, stored[k]) for k, v in saved.items())
+    info = weights.weights_info(file)
+    assert info["trainable_only"] and info["base_model"] == os.path.abspath(base)
+    assert set(info["lora_scalings"]) == {k[: -len(".lora_A")] for k in saved if k.endswith(".lora_A")}
+    # the file alone, on a plain model: the base from its path, the adapters added from its header
+    model = Tiny()
+    ddptrain.load_weights(model, file)
+    x = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), trained(x.to(torch.bfloat16)).float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ckpt.CheckpointError, match="holds no LoRA adapters"):
+        weights.export_adapters(base, str(tmp_path / "none"))
+
+
 def test_a_target_pattern_that_matches_nothing_is_refused_with_the_closest_names():
     """issue 30, item 7: a typo in one pattern adapted fewer layers without a word."""
     from ddptrain.lora import LoRALinear

@@ -70,6 +70,13 @@ def test_tts_loaders_are_the_librarys():
     utts = [CachedUtterance(f"t{i}", "ab" * i, f"/nowhere/t{i}.npy", 40 * i, "tts.jsonl", i) for i in range(1, 9)]
     assert_library_loader(ft.build_loader(utts, cfg, list, layout, True, 1, 0), cfg.data)
     assert_library_loader(ft.build_loader(utts, cfg, list, layout, False, 1, 0), cfg.data, train=False)
+    # named sources (the dialect workflow): the library's mix of them, with the same settings
+    named = ft.Utterances(utts, ["base", "dialect"], [0] * 5 + [1] * 3)
+    mixed = ft.build_loader(named, cfg, list, layout, True, 1, 0)
+    assert_library_loader(mixed, cfg.data)
+    sampler = mixed.batch_sampler
+    assert type(sampler).__name__ == "WeightedMixSampler" and sampler.names == ["base", "dialect"]
+    assert_library_loader(ft.build_loader(named, cfg, list, layout, False, 1, 0), cfg.data, train=False)
 
 
 @pytest.mark.parametrize("recipe,config,key", [

@@ -21,7 +21,7 @@ DataLoader of a config, for recipes with their own dataset and collator), ``vali
 ``synthetic.py`` (the synthetic corpus for tests and benchmarks, in memory or on disk), ``config.py`` (DataConfig);
 ``shards.py`` (tar shards + index: ``python -m ddptrain.data.shards`` writes them; ShardDataset),
 ``shard_sampler.py`` (ShardWindowSampler: batches planned within windows of shards), ``mix.py``
-(named sources mixed by weight: WeightedMixSampler, MixedDataset).
+(named sources mixed by weight: WeightedMixSampler, MixedDataset; ``source_sampler`` for a recipe's own dataset).
 """
 
 # Exports are imported on first use (PEP 562), not here: ``python -m ddptrain.data.validate``
@@ -39,7 +39,7 @@ _EXPORTS = {
     "DurationBucketSampler": "sampler",
     "ShardDataset": "shards", "ShardSet": "shards", "load_shards": "shards", "write_shards": "shards",
     "ShardWindowSampler": "shard_sampler",
-    "MixedDataset": "mix", "WeightedMixSampler": "mix",
+    "MixedDataset": "mix", "WeightedMixSampler": "mix", "source_sampler": "mix",
     "SyntheticCorpus": "synthetic", "SyntheticSpeech": "synthetic", "write_synthetic_corpus": "synthetic",
     "CharTokenizer": "tokenizer", "TokenizerError": "tokenizer", "load_or_build_tokenizer": "tokenizer",
     "ValidationReport": "validate", "validate_manifest": "validate",

@@ -346,18 +346,41 @@ class Sources:
     def sampler(self, durations: np.ndarray, cfg: DataConfig, train: bool, **kwargs) -> ShardWindowSampler:
         """The batch sampler: weighted for named training sources, else one pass over everything."""
         window = cfg.shard_window if self.shards is not None else 0
-        if train and self.names is not None:
-            weights = [cfg.train_weights.get(n, 0.0) for n in self.names] if cfg.train_weights else \
-                [float(np.sum(self.sources == s)) for s in range(len(self.names))]
-            if cfg.mix_temperature != 1:  # T = 1 keeps the weights as given (exactly: no rounding)
-                weights = mix_shares(weights, cfg.mix_temperature).tolist()
-            return WeightedMixSampler(durations, self.sources, weights, self.names, shards=self.shards,
-                                      window_shards=window, caps=cfg.source_caps, seconds=self.durations, **kwargs)
-        if train and cfg.source_caps:
-            raise DataError(f"data.source_caps needs named training sources (data.train_sources), "
-                            f"got {sorted(cfg.source_caps)}")
-        return ShardWindowSampler(durations, shards=self.shards, window_shards=window,
-                                  sources=self.sources if self.names is not None else None, **kwargs)
+        return source_sampler(durations, self.sources, self.names, cfg, train, seconds=self.durations,
+                              shards=self.shards, window_shards=window, **kwargs)
+
+
+def source_sampler(durations: np.ndarray, sources: np.ndarray, names: Optional[Sequence[str]], cfg: DataConfig,
+                   train: bool, seconds: Optional[np.ndarray] = None, **kwargs) -> ShardWindowSampler:
+    """The batch sampler of utterances from named sources, as the ``data:`` section mixes them: for
+    training a :class:`WeightedMixSampler` (``data.train_weights`` or the sources' sizes, through
+    ``data.mix_temperature``, capped by ``data.source_caps``), for evaluation one pass over every
+    utterance. The library's loader uses it, and so does a recipe with its own dataset (the TTS
+    recipe's cached latents).
+
+    Args:
+        durations: the budget length of each utterance (``sampler.budget_lengths``).
+        sources: the source number (0..S-1) of each utterance.
+        names: the name of each source (None: unnamed paths, a concatenation).
+        cfg: the ``data:`` section.
+        train: training (weighted draws) or evaluation.
+        seconds: audio seconds per utterance for ``hours`` caps; default ``durations``.
+        **kwargs: the sampler's other arguments (``sampler.sampler_settings``, shards, tokens).
+
+    Raises:
+        DataError: ``data.source_caps`` without named training sources.
+        ValueError: :class:`WeightedMixSampler`'s.
+    """
+    if train and names is not None:
+        weights = [cfg.train_weights.get(n, 0.0) for n in names] if cfg.train_weights else \
+            [float(np.sum(sources == s)) for s in range(len(names))]
+        if cfg.mix_temperature != 1:  # T = 1 keeps the weights as given (exactly: no rounding)
+            weights = mix_shares(weights, cfg.mix_temperature).tolist()
+        return WeightedMixSampler(durations, sources, weights, names, caps=cfg.source_caps, seconds=seconds, **kwargs)
+    if train and cfg.source_caps:
+        raise DataError(f"data.source_caps needs named training sources (data.train_sources), "
+                        f"got {sorted(cfg.source_caps)}")
+    return ShardWindowSampler(durations, sources=sources if names is not None else None, **kwargs)
 
 
 def uses_sources(manifest) -> bool:
