@@ -12,7 +12,8 @@ reference, the peak memory of steps 2..N (weights, gradients and AdamW state inc
 peak minus what was allocated before the step), the median step time and what went to host.
 
 Asserts: offload alone gives the plain run's losses and recompute + offload gives recompute's,
-bitwise where the plain run repeats bitwise (else within 1e-4 relative); recompute + offload peaks
+bitwise where the plain run repeats bitwise (else within twice the plain runs' own difference, at
+least 1e-4 relative); recompute + offload peaks
 below recompute by at least half the inputs it moved; every step gave its host blocks back.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -123,6 +125,7 @@ def run(name: str, base: nn.Module, args, batches: list, recompute: bool, offloa
     if off:
         off.remove()
     del model, opt, off
+    gc.collect()  # a recomputed model is a reference cycle: free it before the next variant's "before"
     cuda.empty_cache()
     return row
 
@@ -161,7 +164,12 @@ def main() -> None:
         if name not in skip:
             rows[name] = run(name, base, args, batches, recompute, offload)
     exact = "plain_again" in rows and torch.equal(rows["plain"]["losses"], rows["plain_again"]["losses"])
-    print(f"plain repeats bitwise: {exact}")
+    # where the plain run does not repeat (atomics in some backward kernels), a variant may differ
+    # from its reference as much as two plain runs differ from each other, twice over
+    noise = ((rows["plain_again"]["losses"] - rows["plain"]["losses"]).abs() / rows["plain"]["losses"].abs()).max().item() \
+        if "plain_again" in rows else 0.0
+    rtol = max(1e-4, 2 * noise)
+    print(f"plain repeats bitwise: {exact}; plain vs plain_again: {noise:.1e} relative; tolerance {rtol:.1e}")
     print(f"{'variant':<18} {'vs':<10} {'losses':<10} {'peak GiB':>9} {'act GiB':>8} {'step s':>7} "
           f"{'to host GiB':>11} {'pool GiB':>8}")
     failures = []
@@ -172,7 +180,7 @@ def main() -> None:
         agree = "-"
         if ref in rows:
             a, b = row["losses"], rows[ref]["losses"]
-            same = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=0)
+            same = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=rtol, atol=0)
             agree = ("equal" if torch.equal(a, b) else f"{(a - b).abs().max().item():.1e}") if same else "DIFFER"
             if not same and name != "plain_again":
                 failures.append(f"{name}: losses {a.tolist()} vs {ref} {b.tolist()}")

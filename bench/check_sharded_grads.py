@@ -62,7 +62,8 @@ def measure(d: int, layers: int, world: int, shard: bool, steps: int, tmp: str) 
     cfg = ddptrain.load_config(None, [
         f"trainer.output_dir={tmp}/{world}_{shard}", f"trainer.max_steps={steps}", "logging.progress_bar=false",
         "logging.tensorboard=false", "logging.jsonl=false", "checkpoint.save_at_end=false", "trainer.precision=bf16",
-        "trainer.param_dtype=bf16", "optim.zero=true", "optim.fused=true", f"optim.shard_grads={str(shard).lower()}"])
+        "trainer.param_dtype=bf16", "optim.zero=true", "optim.fused=true", f"optim.shard_grads={str(shard).lower()}",
+        "logging.allreduce_share=false"])  # its timing hook would take the comm-hook slot _no_comm needs
     trainer = ddptrain.Trainer(model, frame_loss, cfg, data)
     if not shard:
         trainer.model.register_comm_hook(None, _no_comm)

@@ -236,3 +236,18 @@ def test_named_peers_and_rows_are_shared_by_the_model_benches(tmp_path, monkeypa
     monkeypatch.setenv("RANK", "1")  # the other ranks of a run write nothing
     append_row(str(out), {"x": 2})
     assert rows(out) == [{"x": 1}]
+
+
+@pytest.mark.timeout(240)
+def test_check_sharded_grads_runs_on_cpu(tmp_path):
+    """The script plays rank 0 of N under a fake group with its own comm hook; a Trainer default
+    that takes the hook slot (the all-reduce timer did, in call s12b) must not break it."""
+    import subprocess
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "check_sharded_grads.py"), "--out", str(out),
+                           "--d", "32", "--layers", "2", "--worlds", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=220, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = rows(out)
+    assert [(r["world_size"], r["shard_grads"]) for r in got] == [(2, False), (2, True)]
+    assert got[1]["buckets"] >= 1
