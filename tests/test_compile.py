@@ -201,8 +201,12 @@ class _Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("limit,graphs", [(None, 12), (8, 8)])
-def test_recompile_limit_keeps_every_variant_of_a_block_class_compiled(limit, graphs, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # restored after
+def test_recompile_limit_keeps_every_variant_of_a_block_class_compiled(limit, graphs):
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):  # restored after
+        _count_graphs(limit, graphs)
+
+
+def _count_graphs(limit, graphs):
     model = nn.Sequential(*[_Scaled(k) for k in range(1, 13)])
     cfg = _cfg(module_classes=["_Scaled"]) if limit is None else _cfg(module_classes=["_Scaled"], recompile_limit=limit)
     apply_compile(model, cfg)
