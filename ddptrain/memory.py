@@ -453,9 +453,11 @@ def _ema_note(device: str, offload_row: bool = False) -> str:
     if device == "cpu":
         where = "in the host GiB per rank"
     else:
-        where = "in the cells (GPU)" + ("" if not offload_row else "; in the offload row on the host, beside the masters"
-                                       + (" (the config refuses ema.device=gpu with optim.offload=cpu)"
-                                          if device == "gpu" else ""))
+        where = "in the cells (GPU)"
+        if offload_row:
+            where += "; in the offload row on the host, beside the masters"
+            if device == "gpu":
+                where += " (the config refuses ema.device=gpu with optim.offload=cpu)"
     return f"With an fp32 EMA of the trainable weights (ema.device={device}): {where}."
 
 
