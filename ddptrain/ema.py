@@ -27,7 +27,8 @@ Where it lives and who holds what:
   otherwise), ``cpu`` puts it in host memory whatever the masters do: each update then copies
   the fp32 weights down through two pinned buffers of :data:`CHUNK_ELEMS`, averaging one chunk on
   the host while the next one copies; the GPU's queue drains meanwhile, once every
-  ``every_steps`` updates.
+  ``every_steps`` updates. In host memory, every rank first checks that its node holds all its
+  ranks' shares (beside offloaded masters, their check counts the EMA: ddptrain/offload.py).
 
 The update on the device is one ``torch._foreach_lerp_`` over the rank's tensors with a host
 number as the weight: no host synchronisation (the Trainer already knows on the host whether the
@@ -66,10 +67,11 @@ from ddptrain import dist
 from ddptrain.checkpoint import saved_states
 from ddptrain.config import EmaConfig
 from ddptrain.optim import is_zero
+from ddptrain.process import agree_on_host_memory
 
 CHUNK_ELEMS = 8 * 2**20  # ema.device=cpu with the weights on a GPU: fp32 elements per staged copy (32 MiB, two buffers)
 
-__all__ = ["ExponentialMovingAverage", "build", "saved_ema", "CHUNK_ELEMS"]
+__all__ = ["ExponentialMovingAverage", "build", "saved_ema", "host_parts", "CHUNK_ELEMS"]
 
 
 class ExponentialMovingAverage:
@@ -119,9 +121,12 @@ class ExponentialMovingAverage:
                     self.owners[i] = rank
         host = getattr(master, "offloaded", False) if cfg.device == "auto" else cfg.device == "cpu"
         self.device = torch.device("cpu") if host else device
-        self.ema = [self._copy(self.sources[i]) for i in self.mine]
         # weights on a GPU averaged in host memory: copied down chunk by chunk (_update_staged)
         self.staged = self.device.type == "cpu" and any(self.sources[i].device.type != "cpu" for i in self.mine)
+        if host and not getattr(master, "offloaded", False):  # beside offloaded masters: counted by their check
+            agree_on_host_memory(host_parts(sum(self.sources[i].numel() for i in self.mine), self.staged),
+                                 device, "ema.device=cpu", "keep the EMA on the GPU (ema.device=auto)")
+        self.ema = [self._copy(self.sources[i]) for i in self.mine]
         self._buffers: Optional[list[torch.Tensor]] = None
         self._stash: Optional[list] = None
         self.updates = 0  # EMA updates applied
@@ -297,6 +302,15 @@ class ExponentialMovingAverage:
         missing = [self.names[i][0] for i in self.mine if i not in loaded]
         if missing:
             raise ValueError(f"the saved EMA lacks {missing[:10]} (of this rank's tensors)")
+
+
+def host_parts(elements: int, staged: bool) -> dict[str, int]:
+    """Host bytes of an EMA of ``elements`` fp32 values, named for the host-memory check: the
+    copy, and the two pinned staging buffers when the weights it averages are on a GPU."""
+    parts = {"EMA of the weights (ema.device=cpu)": 4 * int(elements)}
+    if staged:
+        parts["EMA staging buffers"] = 2 * 4 * CHUNK_ELEMS
+    return parts
 
 
 def build(cfg: EmaConfig, module: nn.Module, master: Any, optimizer: Any,

@@ -86,6 +86,7 @@ Command line::
     python -m ddptrain.memory --params 2.14e9 --world-size 2 --zero --param-dtype bf16 --ema   # + EMA on the GPUs
     python -m ddptrain.memory --table          # what fits where: sizes x GPUs x full/LoRA (139 GiB GPUs)
     python -m ddptrain.memory --table --preset glm-asr-nano --activations-gb 6   # 16/24/48/80 GB cards x tiers
+    python -m ddptrain.memory --table --preset glm-asr-nano --ema --ema-device cpu   # + an EMA in host memory
 """
 
 from __future__ import annotations
@@ -411,7 +412,7 @@ def format_table(est: dict, title: str = "", local_world_size: int = 1,
 
 def fits_table(sizes: Sequence[float] = (0.3e9, 1.5e9, 3e9, 7e9, 10.29e9, 14e9), gpus: Sequence[int] = (1, 2, 4, 8),
                lora_fraction: float = 0.005, gpu_gib: float = 139.0, headroom_gib: float = 24.0,
-               measured: Optional[dict] = None) -> str:
+               measured: Optional[dict] = None, ema: bool = False, ema_device: str = "auto") -> str:
     """What fits where: a Markdown table of per-GPU model state (GiB) by model size, GPU count
     and full fine-tune / LoRA, from :func:`estimate_model_state`.
 
@@ -423,6 +424,8 @@ def fits_table(sizes: Sequence[float] = (0.3e9, 1.5e9, 3e9, 7e9, 10.29e9, 14e9),
     Args:
         measured: ``{(size, gpus, "full" | "lora"): peak GiB}`` measured on a GPU: shown beside
             the estimate and marked as measured.
+        ema, ema_device: ``ema.enabled``, ``ema.device``: an fp32 EMA of the trainable weights,
+            in the cells on the GPU (``auto``, ``gpu``), or a cell's ``host`` GiB per rank (``cpu``).
     """
 
     head = "| parameters | mode | " + " | ".join(f"{g} GPU{'s' if g > 1 else ''}" for g in gpus) + " |"
@@ -433,17 +436,33 @@ def fits_table(sizes: Sequence[float] = (0.3e9, 1.5e9, 3e9, 7e9, 10.29e9, 14e9),
             for g in gpus:
                 cfg = Config()
                 cfg.trainer.precision, cfg.trainer.param_dtype, cfg.optim.zero = "bf16", "bf16", g > 1
+                cfg.ema.enabled, cfg.ema.device = ema, ema_device
                 est = estimate_model_state(n, cfg, g, trainable=n * lora_fraction if mode == "lora" else None)
                 gib = (est["total"] + est["master_grads"]) / 2**30
                 cell = f"{gib:.1f}" + ("" if gib + headroom_gib <= gpu_gib else " (no)")
+                if est["host_total"]:
+                    cell += f", host {est['host_total'] / 2**30:.1f}"
                 got = (measured or {}).get((n, g, mode))
                 cells.append(cell + (f", measured peak {got:.1f}" if got is not None else ""))
             rows.append(f"| {n / 1e9:.3g}B | {'LoRA' if mode == 'lora' else 'full'} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    return "\n".join(([_ema_note(ema_device)] if ema else []) + rows)
+
+
+def _ema_note(device: str, offload_row: bool = False) -> str:
+    """The tables' line on the EMA they include: where its 4 B per owned parameter are counted."""
+    if device == "cpu":
+        where = "in the host GiB per rank"
+    else:
+        where = "in the cells (GPU)"
+        if offload_row:
+            where += "; in the offload row on the host, beside the masters"
+            if device == "gpu":
+                where += " (the config refuses ema.device=gpu with optim.offload=cpu)"
+    return f"With an fp32 EMA of the trainable weights (ema.device={device}): {where}."
 
 
 def _tier_config(zero: bool = False, shard_grads: bool = False, offload: bool = False, streamed: bool = False,
-                 chunk_mb: float = 256.0, stream_ahead: int = 1):
+                 chunk_mb: float = 256.0, stream_ahead: int = 1, ema: bool = False, ema_device: str = "auto"):
 
     cfg = Config()
     cfg.trainer.precision, cfg.trainer.param_dtype, cfg.optim.zero = "bf16", "bf16", zero
@@ -451,6 +470,8 @@ def _tier_config(zero: bool = False, shard_grads: bool = False, offload: bool = 
     cfg.optim.shard_grads, cfg.optim.offload_chunk_mb = shard_grads, chunk_mb
     cfg.optim.offload = "cpu" if offload else "none"
     cfg.lora.base_offload, cfg.lora.stream_ahead = "cpu" if streamed else "none", stream_ahead
+    # ema.device=gpu with offload is refused by the config: that row keeps the EMA on the host (auto)
+    cfg.ema.enabled, cfg.ema.device = ema, "auto" if offload and ema_device == "gpu" else ema_device
     return cfg
 
 
@@ -468,7 +489,8 @@ TIERS = [
 def cards_table(num_params: float, trainable: Optional[float] = None, gpus: Sequence[int] = (1, 2, 4, 8),
                 cards_gib: Sequence[float] = CARDS_GIB, activations: Optional[float] = None,
                 stream_block_bytes: Optional[float] = None, stream_resident: float = 0,
-                chunk_mb: float = 256.0, stream_ahead: int = 1, title: str = "") -> str:
+                chunk_mb: float = 256.0, stream_ahead: int = 1, title: str = "", ema: bool = False,
+                ema_device: str = "auto") -> str:
     """What fits 16 / 24 / 48 / 80 GB cards: a Markdown table, one row per memory tier, one column
     per GPU count, each cell the model state per GPU (GiB, with the step's transient fp32 master
     gradients) and the smallest card it fits.
@@ -486,6 +508,8 @@ def cards_table(num_params: float, trainable: Optional[float] = None, gpus: Sequ
         stream_block_bytes: the largest streamed block's bf16 weights (a streamed-base row needs
             it; the ring is ``stream_ahead + 1`` of them); ``stream_resident``: frozen
             parameters outside the blocks, kept on the GPU.
+        ema, ema_device: ``ema.enabled``, ``ema.device``: an fp32 EMA of the trainable weights,
+            in the cells on the GPU, in the host rows in host memory (``cpu``; ``auto`` under offload).
     """
     lora = trainable is not None and trainable < num_params
     head = "| tier | " + " | ".join(f"{g} GPU{'s' if g > 1 else ''}" for g in gpus) + " |"
@@ -497,7 +521,8 @@ def cards_table(num_params: float, trainable: Optional[float] = None, gpus: Sequ
             continue
         cells, host = [], []
         for g in gpus:
-            cfg = _tier_config(chunk_mb=chunk_mb, stream_ahead=stream_ahead, **switches)
+            cfg = _tier_config(chunk_mb=chunk_mb, stream_ahead=stream_ahead, ema=ema, ema_device=ema_device,
+                               **switches)
             ring = None if stream_block_bytes is None else (stream_ahead + 1) * stream_block_bytes
             est = estimate_model_state(num_params, cfg, g, trainable, stream_ring_bytes=ring,
                                        stream_resident=stream_resident)
@@ -519,7 +544,7 @@ def cards_table(num_params: float, trainable: Optional[float] = None, gpus: Sequ
               f"step's transient fp32 master grads) and the smallest {cards} GiB card it fits "
               f"('24+': 24 GiB and larger, 'no': none).",
               f"Fits by: {act}. Host rows: pinned host GiB per rank / per node (all the GPUs on one node).",
-              "", *rows]
+              *([_ema_note(ema_device, offload_row=not lora)] if ema else []), "", *rows]
     if lora and stream_block_bytes is None:
         lines.append("(the streamed-base row needs the ring: --stream-ring-gb, or a --preset)")
     return "\n".join(lines)
@@ -606,7 +631,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      "(flags given here override it)")
     p.add_argument("--table", action="store_true",
                    help="with --params or --preset: what fits 16/24/48/80 GB cards at 1, 2, 4 and 8 GPUs, per "
-                        "memory tier; alone: the what-fits-where table (sizes x GPUs x full/LoRA) for 139 GiB GPUs")
+                        "memory tier; alone: the what-fits-where table (sizes x GPUs x full/LoRA) for 139 GiB GPUs; "
+                        "--ema adds the EMA where --ema-device puts it")
     p.add_argument("--world-size", type=int, default=1, help="number of ranks (GPUs)")
     p.add_argument("--local-world-size", type=int, default=None,
                    help="ranks per node, for the host memory per node (default: --world-size)")
@@ -676,12 +702,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     resident = preset.get("stream_resident_params", 0) if preset else 0
     if args.table:
         if num_params is None:
-            print(fits_table())
+            print(fits_table(ema=cfg.ema.enabled, ema_device=cfg.ema.device))
             return 0
         print(cards_table(num_params, trainable, activations=activations,
                           stream_block_bytes=None if ring is None else ring / (cfg.lora.stream_ahead + 1),
                           stream_resident=resident, chunk_mb=cfg.optim.offload_chunk_mb,
-                          stream_ahead=cfg.lora.stream_ahead, title=preset["title"] if preset else ""))
+                          stream_ahead=cfg.lora.stream_ahead, title=preset["title"] if preset else "",
+                          ema=cfg.ema.enabled, ema_device=cfg.ema.device))
         return 0
     if num_params is None:
         p.error("--params or --preset is required (or --table)")

@@ -36,13 +36,14 @@ MasterWeights'); on several (with ``optim.zero: true``, which the Trainer asks f
 weights plus each rank's ShardedMasterState, as the sharded masters save them.
 
 Host memory per owned parameter: 4 (master) + 8 (AdamW moments) + 2 (bf16 staging), plus one
-chunk of fp32 gradient scratch. On a CPU run (the tests) the same code runs without streams.
+chunk of fp32 gradient scratch, and 4 more with ``ema.enabled`` (its EMA lives beside the masters):
+every rank checks before allocating that its node holds all of its ranks' shares (process.py's
+``agree_on_host_memory``). On a CPU run (the tests) the same code runs without streams.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
@@ -51,7 +52,7 @@ from torch import nn
 
 from ddptrain.config import ConfigError
 from ddptrain.precision import cast_frozen, kept_fp32
-from ddptrain.process import check_host_memory
+from ddptrain.process import agree_on_host_memory
 from ddptrain.sharded_masters import partition
 
 
@@ -134,14 +135,18 @@ class OffloadedMasters:
             flat buffer per dtype).
         dtype: the low-precision dtype (``torch.bfloat16``).
         chunk_mb: host-update pipeline granularity, in MB of bf16 gradients.
+        host_ema: an EMA will be kept beside the masters (``ema.enabled``): the host-memory check
+            counts its 4 B per owned parameter too.
 
     Raises:
         ValueError: fewer trainable tensors than ranks.
+        ConfigError: this node's ranks would not fit their shares (and the EMA's) in host memory.
     """
 
     offloaded = True
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, chunk_mb: float = 256.0):
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, chunk_mb: float = 256.0,
+                 host_ema: bool = False):
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         self.sharded = distributed  # checkpoints: ShardedMasterState per rank, bf16 weights file
@@ -156,7 +161,12 @@ class OffloadedMasters:
         cast_frozen(model, dtype, keep)
         chunk_elems = max(1, int(chunk_mb * 2**20 / 2))
         owned = [p.numel() for p, o in zip(self.trainable, owners) if o == self.rank]
-        _check_host_memory(sum(owned) * host_bytes_per_param() + (chunk_elems + max(owned)) * 4, self.device)
+        need = {"masters, optimizer state and staging (optim.offload)":
+                sum(owned) * host_bytes_per_param() + (chunk_elems + max(owned)) * 4}
+        if host_ema:  # allocated later (ddptrain/ema.py), checked now: before any of it is
+            need["EMA of the weights (ema.enabled, beside the masters)"] = 4 * sum(owned)
+        agree_on_host_memory(need, self.device, "optim.offload=cpu",
+                             "turn optim.offload off" + (" or ema.enabled off" if host_ema else ""))
         self.buckets: list[_Bucket] = []
         for r in range(self.world_size):
             for kept in (False, True):
@@ -374,26 +384,9 @@ def _step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
         optimizer.step()
 
 
-def _check_host_memory(need: int, device: torch.device) -> None:
-    """Refuse now, on every rank, when this node's ranks would not fit their shares in host
-    memory: each rank checks before any allocates, and the verdict is agreed collectively."""
-    error = None
-    try:
-        check_host_memory(need, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ConfigError as e:
-        error = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        ok = torch.tensor([0.0 if error else 1.0], device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item() == 0 and error is None:
-            error = ConfigError("optim.offload=cpu: another rank found too little host memory (its error says how much)")
-    if error is not None:
-        raise error
-
-
-def prepare(model: nn.Module, chunk_mb: float, device: torch.device) -> OffloadedMasters:
+def prepare(model: nn.Module, chunk_mb: float, device: torch.device, host_ema: bool = False) -> OffloadedMasters:
     """:class:`OffloadedMasters` for ``model``, after checking that pinned memory works on this
-    machine and that the host can hold every local rank's share.
+    machine and that the host can hold every local rank's share (with the EMA's: ``host_ema``).
 
     Raises:
         ConfigError: no pinned memory, or too little host memory: before anything is allocated.
@@ -404,4 +397,4 @@ def prepare(model: nn.Module, chunk_mb: float, device: torch.device) -> Offloade
         except RuntimeError as e:
             raise ConfigError(f"optim.offload=cpu needs pinned host memory, which fails here ({e}); "
                               "set optim.offload=none") from e
-    return OffloadedMasters(model, torch.bfloat16, chunk_mb)
+    return OffloadedMasters(model, torch.bfloat16, chunk_mb, host_ema)

@@ -93,7 +93,8 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
             if info.world_size > 1 and not cfg.optim.zero:  # its checkpoints are sharded masters'
                 raise ConfigError("optim.offload=cpu on several processes shards the masters as optim.zero "
                                   "does: set optim.zero=true (a resume may then turn the offload off)")
-            master = offload.prepare(model, cfg.optim.offload_chunk_mb, device)
+            # ema.enabled: its fp32 copy sits beside the masters on the host (ema.device=gpu is refused with offload)
+            master = offload.prepare(model, cfg.optim.offload_chunk_mb, device, host_ema=cfg.ema.enabled)
         else:
             master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
     streamed = stream_base(model, cfg, device, recomputed)  # after the masters' casts, before DDP

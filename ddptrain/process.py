@@ -1,5 +1,5 @@
 """Process-level concerns of a training process: preemption signals, the CPU thread budget, the
-host memory offload may take, and when Python's garbage collector runs.
+host memory offload and a host EMA may take, and when Python's garbage collector runs.
 
 Kept out of the Trainer so the loop reads as training only. Everything here is per process; the
 collective agreement on a preemption (all ranks stop at the same step) happens in the Trainer's
@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed
 
 from ddptrain.config import ConfigError
 
@@ -310,7 +311,8 @@ def available_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/s
 
 def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what: str = "optim.offload=cpu",
                       reserve_bytes: float = 2**30, meminfo: str = "/proc/meminfo",
-                      cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+                      cgroup_root: str = "/sys/fs/cgroup", parts: Optional[dict[str, float]] = None,
+                      instead: str = "") -> Optional[int]:
     """Refuse, before training, a run whose ranks on this node need more host memory than is free.
 
     Every rank of the node calls it with its own need before any of them allocates (each then
@@ -323,6 +325,9 @@ def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what:
         what: the switch that needs the memory, for the message.
         reserve_bytes: kept free for the rest of the process (the Python heap, loader workers).
         meminfo, cgroup_root: where to read (tests pass fakes).
+        parts: what makes up ``needed_bytes_per_rank``, named (``{"the EMA ...": bytes}``), for
+            the message: the share to cut is then visible.
+        instead: the last remedy of the message (default: turn ``what``'s key off).
 
     Returns:
         The available bytes it compared against, or None when nothing could be read (no check).
@@ -337,10 +342,46 @@ def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what:
         return None
     need = float(needed_bytes_per_rank) * max(int(local_world_size), 1)
     if need + reserve_bytes > available:
+        each, key = f"{float(needed_bytes_per_rank) / 2**30:.1f} GiB each", what.split("=")[0]
+        if parts:
+            each += ": " + " + ".join(f"{_gib(b)} {name}" for name, b in parts.items())
         raise ConfigError(
             f"{what}: the {local_world_size} rank(s) on this node need {need / 2**30:.1f} GiB of host memory "
-            f"({float(needed_bytes_per_rank) / 2**30:.1f} GiB each) + {reserve_bytes / 2**30:.1f} GiB kept free, but "
+            f"({each}) + {reserve_bytes / 2**30:.1f} GiB kept free, but "
             f"{available / 2**30:.1f} GiB is available (MemAvailable / the cgroup's memory limit): spread the run over "
             f"more nodes (each rank holds 1/N of the state), train fewer parameters (LoRA), raise the "
-            f"container's memory limit, or turn {what.split('=')[0]} off (python -m ddptrain.memory shows each figure)")
+            f"container's memory limit, or {instead or f'turn {key} off'} "
+            "(python -m ddptrain.memory shows each figure)")
     return available
+
+
+def _gib(nbytes: float) -> str:
+    # a share under 0.1 GiB still shows its size (a small EMA beside a large offload)
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= 0.1 * scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def agree_on_host_memory(parts: dict[str, float], device: torch.device, what: str, instead: str = "") -> None:
+    """:func:`check_host_memory` of this rank's ``parts`` (named bytes, summed), the verdict
+    agreed by every rank (one collective when distributed), so none goes on to allocate while
+    another raises. Call it on every rank, before the memory is allocated.
+
+    Raises:
+        ConfigError: this rank's check failed (its numbers), or another rank's did.
+    """
+    error = None
+    try:
+        check_host_memory(sum(parts.values()), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), what,
+                          parts=parts, instead=instead)
+    except ConfigError as e:
+        error = e
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        ok = torch.tensor([0.0 if error else 1.0], device=device)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        if ok.item() == 0 and error is None:
+            error = ConfigError(f"{what}: another rank found too little host memory (its error says how much)")
+    if error is not None:
+        raise error

@@ -96,6 +96,43 @@ def test_only_applied_updates_count_and_the_trainer_averages_them(tmp_path):
         torch.testing.assert_close(got[k].double(), v, rtol=1e-6, atol=1e-6, msg=k)
 
 
+# ----------------------------------------------------------------------------- host memory
+
+
+@pytest.mark.parametrize("where", ["offload", "cpu"])
+def test_a_host_ema_that_does_not_fit_the_node_is_refused_at_start_naming_its_share(tmp_path, monkeypatch, where):
+    """The node's host-memory check counts an EMA in host memory: beside offloaded masters
+    (ema.device=auto) within the offload's own check, alone with ema.device=cpu. A limit that
+    holds the rest and half the EMA refuses the run at set-up, naming the EMA's share; one
+    that holds it exactly lets it start."""
+    import ddptrain.process as process
+
+    free, needs, check = [2**50], [], process.check_host_memory
+    monkeypatch.setattr(process, "available_host_memory", lambda *a, **k: free[0])
+    monkeypatch.setattr(process, "check_host_memory", lambda need, *a, **k: needs.append(need) or check(need, *a, **k))
+    extra = (*BF16, "optim.offload=cpu", "optim.offload_chunk_mb=0.00003") if where == "offload" else ("ema.device=cpu",)
+    ema_bytes = 4 * sum(p.numel() for p in FrameMLP().parameters())  # every parameter trains
+
+    def start(n, *more):
+        torch.manual_seed(0)
+        cfg = make_cfg(tmp_path / f"run{n}", "trainer.max_steps=1", "checkpoint.save_at_end=false", *extra, *more)
+        ddptrain.Trainer(FrameMLP(), frame_loss, cfg, [b for mb in micro_batches(1) for b in mb]).close()
+
+    start(0)  # without the EMA: the offload's own need (none with ema.device=cpu, which has no offload)
+    rest = sum(needs)
+    assert (rest > 0) == (where == "offload")
+    free[0] = 2**30 + rest + ema_bytes // 2  # the 1 GiB reserve, the rest, half the EMA
+    start(1)
+    with pytest.raises(ConfigError) as e:
+        start(2, "ema.enabled=true")
+    msg = str(e.value)
+    assert msg.startswith("optim.offload=cpu:" if where == "offload" else "ema.device=cpu:"), msg
+    assert f"{ema_bytes / 2**10:.1f} KiB EMA of the weights" in msg and "ema." in msg.split("or ")[-1], msg
+    free[0] = 2**30 + rest + ema_bytes
+    start(3, "ema.enabled=true")
+    assert needs[-1] == rest + ema_bytes
+
+
 # ----------------------------------------------------------------------------- resume
 
 

@@ -246,8 +246,8 @@ def test_sharded_masters_estimate_against_real_tensors(tmp_path):
 
 # ----------------------------------------------------------------------------- the memory tiers (issue 28)
 
-from ddptrain.memory import (PRESETS, cards_table, estimate_model_state as _est,  # noqa: E402
-                             measure_activations, stream_blocks)
+from ddptrain.memory import (PRESETS, TIERS, _tier_config, cards_table, estimate_model_state as _est,  # noqa: E402
+                             fits_table, measure_activations, stream_blocks)
 
 _BF = ("trainer.precision=bf16", "trainer.param_dtype=bf16")
 _CHUNK = f"optim.offload_chunk_mb={1000 * 2 / 2**20!r}"  # 1000 bf16 elements a chunk
@@ -569,3 +569,42 @@ def test_cli_ema_flags(capsys):
     with pytest.raises(SystemExit):
         main(["--params", "1e9", "--param-dtype", "bf16", "--offload", "--ema", "--ema-device", "gpu"])
     assert "--ema-device gpu with --offload" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["auto", "gpu", "cpu"])
+def test_the_tables_add_the_estimators_ema_where_ema_device_puts_it(capsys, device):
+    """--table with --ema: each cards_table cell grows by the estimator's EMA bytes on the GPU, or
+    each host row by its host EMA (cpu; the offload row's whatever the device, as the config
+    keeps it there); fits_table's cells likewise, its host EMA given per cell."""
+    n, gib = 2.14e9, 2**30
+    assert main(["--table", "--preset", "glm-asr-nano", "--ema", "--ema-device", device]) == 0
+    text = capsys.readouterr().out
+    assert f"fp32 EMA of the trainable weights (ema.device={device})" in text
+    lines = text.splitlines()
+    for k, (label, switches, _) in enumerate(TIERS[:4]):
+        host_row = lines[lines.index(next(x for x in lines if x.startswith(f"| {label} |"))) + 1]
+        for col, g in enumerate((1, 2, 4, 8), start=1):
+            cfg = _tier_config(**switches)
+            base = _est(n, cfg, g)
+            cfg.ema.enabled, cfg.ema.device = True, "auto" if switches.get("offload") else device
+            ema = _est(n, cfg, g)
+            assert ema["ema"] + ema["host_ema"] > 0.5 * gib  # the EMA is there, on one side
+            state = base["total"] + base["master_grads"] + ema["ema"]
+            assert _cell(text, label, col).startswith(f"{state / gib:.1f} ("), (label, g)
+            host = base["host_total"] + ema["host_ema"]
+            if host:
+                assert host_row.split("|")[col + 1].strip() == f"{host / gib:.1f} / {g * host / gib:.1f}", (label, g)
+            else:
+                assert not host_row.startswith("| &nbsp;&nbsp;host"), label
+    text = fits_table(sizes=(7e9,), gpus=(1, 2), ema=True, ema_device=device)
+    for mode, trainable in (("full", None), ("LoRA", 7e9 * 0.005)):
+        for col, g in enumerate((1, 2), start=1):
+            cfg = _tier_config(zero=g > 1)
+            base = _est(7e9, cfg, g, trainable)
+            cfg.ema.enabled, cfg.ema.device = True, device
+            ema = _est(7e9, cfg, g, trainable)
+            want = f"{(base['total'] + base['master_grads'] + ema['ema']) / gib:.1f}"
+            if ema["host_ema"]:
+                want += f", host {ema['host_ema'] / gib:.1f}"
+            got = next(x for x in text.splitlines() if f"| {mode} |" in x).split("|")[col + 2].strip()
+            assert got.replace(" (no)", "") == want, (mode, g)
