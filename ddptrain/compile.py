@@ -104,6 +104,8 @@ class EagerFallbacks:
 
     @property
     def count(self) -> int:
+        if not self.enabled:
+            return 0
         return max(len(_HITS.hits) - self._start, _counted_hits() - self._counted)
 
     def scalars(self, say: Callable[[str], None]) -> dict:
