@@ -11,6 +11,12 @@ Jobs (each one process, or torchrun for several GPUs; rows appended to ``--out``
   One sequence of 8192 tokens per step, with an image of 56 x 56 patches (784 merged vision
   tokens, a 784 x 784 px image) fed through the vision tower, synthetic (``pixel_values``,
   ``image_grid_thw``, ``mm_token_type_ids``).
+* ``lora_ddptrain_compiled``: ``lora_ddptrain`` with the decoder layer class compiled (regional,
+  ``compile.module_classes: [Glm4vTextDecoderLayer]``, inside its recompute region): inductor
+  fuses the eager step's casts, copies and elementwise kernels. Its correctness check: a plan that
+  runs both jobs compares their per-step losses and gradient norms (every ddptrain row records
+  ``losses`` and ``grad_norms`` of all its steps, warm-up included) and appends a
+  ``compiled_vs_eager`` row; beyond ``CHECK_RTOL`` the plan exits 1.
 * ``lora_hf_peft``: the same model, batch, LoRA targets and rank through ``transformers.Trainer``
   + ``peft`` (bf16, gradient checkpointing, fused AdamW, the model's own loss over full logits).
   Both peers adapt the same 240 decoder layers (never the vision tower, whose attention is
@@ -37,6 +43,7 @@ Workload names contain "glm4v"/"9b" as BENCHMARKS.md expects.
     python3 bench/bench_9b.py plan --out "$OUT/glm4v_9b.jsonl"            # the one-H200 plan (~7 min)
     python3 bench/bench_9b.py plan --dry --out /tmp/b9.jsonl              # every job, tiny, on CPU
     python3 bench/bench_9b.py job lora_ddptrain --out r.jsonl            # one job
+    python3 bench/bench_9b.py plan --jobs lora_ddptrain_compiled,lora_ddptrain --profile --out r.jsonl  # + the check
     torchrun --nproc_per_node=4 bench/bench_9b.py job full9b_zero --out r.jsonl
     python3 bench/bench_9b.py estimate                                   # CPU: does 10B fit on 2 GPUs?
 
@@ -54,6 +61,7 @@ import datetime
 import fnmatch
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -93,6 +101,7 @@ BATCH = {"real": dict(seq=8192, grid=56), "tiny": dict(seq=64, grid=8)}
 
 JOBS = {  # name: (what it runs, GPUs, timeout in seconds on the GPU)
     "lora_ddptrain": (dict(model="9b", peer="ddptrain", lora=True), 1, 150),
+    "lora_ddptrain_compiled": (dict(model="9b", peer="ddptrain", lora=True, compile=True), 1, 300),
     "lora_hf_peft": (dict(model="9b", peer="hf_peft", lora=True), 1, 150),
     "full3b_ddptrain": (dict(model="3b", peer="ddptrain", lora=False), 1, 110),
     "full9b_zero": (dict(model="9b", peer="ddptrain", lora=False, zero=True), 4, 300),
@@ -107,6 +116,13 @@ for _seq in (8192, 4096):
     JOBS[f"lora_hf_peft_ds3_offload{_k}"] = (dict(model="9b", peer="hf_peft", lora=True, ds3_offload=True, seq=_seq), 1, 300)
     JOBS[f"lora_hf_peft{_k}"] = JOBS.get(f"lora_hf_peft{_k}", (dict(model="9b", peer="hf_peft", lora=True, seq=_seq), 1, 150))
 PLAN_H200 = ["lora_ddptrain", "lora_hf_peft", "full3b_ddptrain"]  # one H200, ~410 s in all
+# a compiled job and its eager twin: in one plan, their per-step losses and gradient norms must agree
+COMPILED_VS_EAGER = {"lora_ddptrain_compiled": "lora_ddptrain"}
+# relative tolerance of that agreement, by preset. GPU (bf16): inductor rounds at other points than
+# the eager kernels (it keeps fused intermediates in fp32), ~2e-3 a rounding, averaged over the
+# step's tokens; 1e-2 leaves room for 7 steps of drift and still catches a wrong gradient or
+# a layer that ran other code. CPU dry run (aot_eager: the same ATen ops): equal to the last bits.
+CHECK_RTOL = {"real": 1e-2, "tiny": 1e-5}
 
 
 def glm4v_config(preset: str, with_vision: bool = True):
@@ -280,6 +296,9 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
                f"lora.alpha={LORA_ALPHA}"]
     if job.get("zero"):
         ov.append("optim.zero=true")
+    if job.get("compile"):  # the decoder layers' one compiled forward, inside their recompute regions
+        ov += ["compile.enabled=true", "compile.module_classes=[Glm4vTextDecoderLayer]"]
+        ov += ["compile.backend=aot_eager"] if preset == "tiny" else []  # CPU: traced, no code generation
     if job.get("stream"):  # the frozen decoder layers live in pinned host memory, streamed one ahead
         ov += ["lora.base_offload=cpu"]  # the blocks: the children of the largest ModuleList (the decoder layers)
     if GPU_MEMORY_GB:
@@ -296,13 +315,15 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
     trainer = ddptrain.Trainer(model, lambda m, b: m(**b), cfg, [batch] * (warmup + steps))
     if want is not None:
         check_trainable("ddptrain", sum(p.numel() for p in trainer.module.parameters() if p.requires_grad), want)
-    times = []
+    times, losses, grad_norms = [], [], []
     for i in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
         out = trainer.train_step([batch])
         sync()
         times.append(time.perf_counter() - t0)
+        losses.append(out["loss_sum"] / max(out["units"], 1))  # host floats already: the step read them
+        grad_norms.append(out["grad_norm"])
     at_rest = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0  # grads freed after the step
     flops = step_flops(mcfg, batch, job["lora"], job["model"] == "9b")
     # --profile: `profile` more steps under torch.profiler after one unprofiled (bench/profiling.py)
@@ -315,7 +336,9 @@ def run_ddptrain(job_name: str, job: dict, preset: str, warmup: int, steps: int,
              "num_trainable": est["num_trainable"], "model_state_at_rest_gib": round(at_rest, 2),
              "estimate_at_rest_gib": round((est["params"] + est["masters"] + est["optimizer"]) / 2**30, 2),
              "estimate_total_gib": round((est["total"] + est["master_grads"]) / 2**30, 2),
-             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed), **diag}
+             "adapted_layers": len(trainer.adapted), "recomputed": len(trainer.recomputed),
+             "compiled": len(trainer.compiled), "compile_eager_fallbacks": trainer.prepared.fallbacks.count,
+             "losses": losses, "grad_norms": grad_norms, **diag}
     trainer.close()
     return _row(job_name, job, preset, dev, mcfg, times[warmup:], batch["input_ids"].numel(), flops, extra)
 
@@ -415,6 +438,7 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str, profile: int = 0) -
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""
     failed = 0
+    start = len(open(out).readlines()) if os.path.exists(out) else 0  # the rows this plan appends come after
     for name in jobs:
         _, gpus, timeout = JOBS[name]
         n = 2 if dry and gpus > 1 else gpus
@@ -434,7 +458,36 @@ def run_plan(jobs: list[str], dry: bool, out: str, tmp: str, profile: int = 0) -
                           "error": f"timed out after {timeout}s"})
         print(f"[bench_9b] {name}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
         failed += rc != 0
+    rows = [json.loads(x) for x in open(out).readlines()[start:] if x.strip()] if os.path.exists(out) else []
+    for compiled, eager in COMPILED_VS_EAGER.items():
+        if compiled in jobs and eager in jobs:
+            row = compare_losses(rows, compiled, eager, CHECK_RTOL["tiny" if dry else "real"])
+            append_row(out, row)
+            print(f"[bench_9b] {row['name']}: {'ok' if row['ok'] else 'FAILED'} {json.dumps(row)}", flush=True)
+            failed += not row["ok"]
     return 1 if failed else 0
+
+
+def compare_losses(rows: list, compiled: str, eager: str, rtol: float) -> dict:
+    """The check row of a compiled job against its eager twin, from the plan's rows: the largest
+    relative difference of their per-step losses and gradient norms, ``ok`` within ``rtol``
+    (a missing or failed row is not ok)."""
+    got = {r.get("name"): r for r in rows if "losses" in r}
+    row = {"workload": "glm4v_9b", "name": f"{compiled}_vs_eager", "check": "compiled_vs_eager",
+           "compiled": compiled, "eager": eager, "rtol": rtol, "ok": False}
+    if compiled not in got or eager not in got:
+        return dict(row, error=f"no row with losses for {compiled if compiled not in got else eager}")
+    a, b = got[compiled], got[eager]
+
+    def rel(x: list, y: list) -> float:  # a non-finite value on either side counts as infinitely far
+        d = [abs(p - q) / max(abs(q), 1e-12) for p, q in zip(x, y)]
+        return max((v if math.isfinite(v) else math.inf for v in d), default=math.inf)
+
+    loss_diff, norm_diff = rel(a["losses"], b["losses"]), rel(a["grad_norms"], b["grad_norms"])
+    same_steps = len(a["losses"]) == len(b["losses"]) > 0
+    return dict(row, steps=len(a["losses"]), max_loss_rel_diff=loss_diff, max_grad_norm_rel_diff=norm_diff,
+                losses_compiled=a["losses"], losses_eager=b["losses"],
+                ok=same_steps and loss_diff <= rtol and norm_diff <= rtol)
 
 
 def estimate(gpus=(1, 2, 4, 8), card_gib: float = 139.8) -> list[dict]:

@@ -416,7 +416,7 @@ def run_ddptrain(args) -> dict:
 
     def stats(batch):
         b, s = batch["text_mask"].shape
-        real = int((batch["text_mask"] + batch["audio_mask"]).sum())
+        real = (batch["text_mask"] + batch["audio_mask"]).sum()  # stays on the device: read after the clock
         return {"n": b, "audio_s": float(sum(d[int(i)] for i in batch["ids"])), "flops": flops(b, s), "real": real,
                 "padded": b * s}
 
@@ -426,6 +426,8 @@ def run_ddptrain(args) -> dict:
     trainer.fit()
     sync()
     elapsed, timed_stats, _ = timed.window(w, n, end=time.perf_counter())
+    reals = torch.stack([x["real"] for x in timed_stats]).tolist() if timed_stats else []  # one read, no sync per step
+    timed_stats = [dict(x, real=int(r)) for x, r in zip(timed_stats, reals)]
     # every rank steps (a step is collective); the row carries rank 0's profile
     diag = diagnose({"profile": args.profile, "gaps": args.gaps, "profile_steps": args.profile_steps},
                     lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent)),
@@ -445,6 +447,7 @@ def run_ddptrain(args) -> dict:
                      {"max_duration": cfg.data.max_duration, "ov": ov, "prepare_s": round(prepare_s, 2),
                       "prepare_audio_s_per_s": float(d.sum()) / prepare_s, "compiled_modules": len(trainer.compiled),
                       "recomputed_modules": len(trainer.recomputed), "adapted_modules": len(trainer.adapted),
+                      "compile_eager_fallbacks": trainer.prepared.fallbacks.count,  # past compile.recompile_limit
                       "as_world": args.as_world, "utterances": args.utterances,
                       "samples_per_s_per_rank": [sum(s["n"] for s in e["stats"]) / e["elapsed"] for e in every],
                       "loss": logged[-1]["loss"] if logged else None,

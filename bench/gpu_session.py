@@ -249,6 +249,27 @@ SCRIPT_PLANS = {
          Job("wh_prof", "0", "whisper", [wh("ddptrain_b24", profile=True)], 150, steps=6),
          Job("w2v_prof", "0", "wav2vec2", [w2v("ddptrain_500", profile=True)], 160, steps=8)],
     ],
+    # (issue 31) after the profiles, one H200, in order of value: VoxCPM-1.5's best with
+    # compile.recompile_limit 32 (its s12b row likely ran some MiniCPM layers eagerly; the row's
+    # compile_eager_fallbacks says now) and its profile; VoxCPM2's full and LoRA rows again with
+    # the limit (s12c hit it; upstream's rows stand); the 9B LoRA step with its decoder layers
+    # compiled, profiled, then its eager twin (the plan compares their per-step losses and gradient
+    # norms: the lora_ddptrain_compiled_vs_eager row); the sharded-gradient memory check if time
+    # remains. Seconds from the rows' times (s12b, s12c) + the variants past torch's old limit of 8
+    # that now compile (~15 s a VoxCPM job, a guess): VoxCPM-1.5 ~85 (s12b's ~70), VoxCPM2 ~95
+    # (s12c wall 69.5 + ~8 start) and LoRA ~135 (112.3 + ~8), 9B compiled ~110 (eager ~60 with
+    # its profile, + inductor on the decoder layer, a guess) and eager ~60, sharded grads ~40
+    # (1.6B parameters, 6 short runs): ~525 s. A job the budget cuts short is the last.
+    #   python3 bench/gpu_session.py perf1 --out $OUT --budget 540 --no-calib
+    "perf1": [
+        [Script("vox15_prof", "0", PROF_VOX, 150, ["--dry"]),
+         v2("v2_ddp", "ddptrain_best_md320", 170, *V2_DDP),
+         v2("v2_lora_ddp", "ddptrain_lora_md320", 200, *V2_DDP),
+         Script("b9_lora_compiled", "0", ["bench_9b.py", "plan", "--jobs", "lora_ddptrain_compiled,lora_ddptrain",
+                                          "--profile", "--out", "{rows}", "--tmp", "{tmp}"], 300, ["--dry"]),
+         Script("sharded_grads", "0", ["check_sharded_grads.py", "--out", "{rows}"], 90,
+                ["--d", "32", "--layers", "2", "--worlds", "2"])],
+    ],
     # (a, b) GLM-ASR on 1 and 2 GPUs, both peers; then the 10B full fine-tune on 2 GPUs (the
     # estimate: 10 B/param of model state + 2 B/param of master gradients = 123.5 GB of 150).
     # Two H200s, ~6 minutes.

@@ -20,12 +20,17 @@ With activation checkpointing, a checkpointed block is compiled *inside* its rec
 (``ddptrain.recompute.checkpoint`` runs eagerly: dynamo cannot trace its saved-tensor hooks), so
 the forward and the recomputation both run the compiled code. A whole-model compile cannot do
 that: the checkpointed blocks then run eagerly; name them in ``compile.module_classes`` instead.
+
+Past dynamo's recompile limit a compiled function runs eagerly from then on, with one log line
+from torch and no error; :class:`EagerFallbacks` turns that line into a warning naming
+``compile.recompile_limit`` and a ``compile_eager_fallbacks`` counter in the training log.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -47,6 +52,78 @@ def compile_options(cfg: "CompileConfig") -> dict[str, Any]:
     if cfg.backend != "inductor":  # modes are inductor options
         return {"backend": cfg.backend, "dynamic": dynamic}
     return {"mode": cfg.mode, "dynamic": dynamic}
+
+
+# torch/_dynamo/convert_frame.py logs this (args: limit name, its value, "'fn' (file:line)") once
+# per code object, when it stops compiling it; dynamo's counters keep no function name
+_LIMIT_LOGGER, _LIMIT_MESSAGE = "torch._dynamo.convert_frame", "torch._dynamo hit config."
+_LIMIT_COUNTER = "Dynamo recompile limit exceeded"  # the start of its counters["unimplemented"] key
+# the ddptrain key that sets each limit (accumulated_recompile_limit, 256 in torch, has none)
+_LIMIT_KEYS = {"recompile_limit": "compile.recompile_limit"}
+
+
+class _LimitHits(logging.Handler):
+    """Every recompile-limit hit dynamo logs in this process: (limit name, value, function)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[tuple[str, Any, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if isinstance(record.msg, str) and record.msg.startswith(_LIMIT_MESSAGE) and len(args) >= 3:
+            self.hits.append((str(args[0]), args[1], str(args[2])))
+
+
+_HITS = _LimitHits()  # one handler per process, however many Trainers it builds
+
+
+def _counted_hits() -> int:
+    """Hits in dynamo's counters: these also count while dynamo's warnings are silenced (TORCH_LOGS)."""
+    counts = torch._dynamo.utils.counters["unimplemented"]
+    return sum(n for msg, n in counts.items() if msg.startswith(_LIMIT_COUNTER))
+
+
+class EagerFallbacks:
+    """Compiled functions that dynamo gave up on (they run eagerly) since this object was made.
+
+    ``scalars(say)`` is called at each training log line: it says one warning per new function
+    and returns ``{"compile_eager_fallbacks": n}``; with ``enabled=False`` (no compile) it returns
+    nothing. Each rank compiles the same code, so rank 0's count stands for all of them.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        if enabled:
+            logger = logging.getLogger(_LIMIT_LOGGER)
+            if _HITS not in logger.handlers:
+                logger.addHandler(_HITS)
+        self._start = self._seen = len(_HITS.hits)
+        self._counted = _counted_hits()  # dynamo.reset() clears the counters: a drop counts as nothing
+        self._unnamed = 0  # hits already warned about without a function name
+
+    @property
+    def count(self) -> int:
+        if not self.enabled:
+            return 0
+        return max(len(_HITS.hits) - self._start, _counted_hits() - self._counted)
+
+    def scalars(self, say: Callable[[str], None]) -> dict:
+        if not self.enabled:
+            return {}
+        for limit, value, function in _HITS.hits[self._seen:]:
+            key = _LIMIT_KEYS.get(limit, f"torch._dynamo.config.{limit}")
+            say(f"WARNING: torch.compile stopped compiling {function}: dynamo hit {key}={value} (its "
+                f"compiled variants: other dtypes, flags or shapes) and runs it eagerly from now on, "
+                f"slower; raise {key} to keep it compiled (TORCH_LOGS=recompiles lists the reasons)")
+        self._seen = len(_HITS.hits)
+        unnamed = self.count - (self._seen - self._start)  # counted, but dynamo's warning was silenced
+        if unnamed > self._unnamed:
+            say(f"WARNING: dynamo hit its recompile limit for {unnamed} compiled function(s) (their names "
+                "are in dynamo's warnings, silenced here) and runs them eagerly, slower; raise "
+                "compile.recompile_limit to keep them compiled")
+            self._unnamed = unnamed
+        return {"compile_eager_fallbacks": self.count}
 
 
 def compile_whole(model: nn.Module, cfg: "CompileConfig", ddp_bucket_cap_mb: Optional[float],

@@ -142,7 +142,7 @@ class CompileConfig:
     mode: str = "default"  # torch.compile mode
     dynamic: str = "auto"  # auto: static shapes, dynamic after the first shape change
     backend: str = "inductor"  # torch.compile backend (aot_eager: trace without code generation, for debugging)
-    recompile_limit: int = 32  # compiled variants dynamo keeps per compiled function (torch's default: 8); past it the block runs eagerly (slower; under recompute an error). A class reused with other dtypes/flags (VoxCPM2's four MiniCPM stacks) needs more than 8
+    recompile_limit: int = 32  # compiled variants dynamo keeps per compiled function (torch's default: 8); past it the block runs eagerly (slower; under recompute an error; the Trainer warns and logs compile_eager_fallbacks). A class reused with other dtypes/flags (VoxCPM2's four MiniCPM stacks) needs more than 8
     ddp_overlap: bool = True  # whole model on >1 GPU: split the graph at DDP buckets so the all-reduce overlaps the backward; false: one graph, all-reduce after it
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddptrain import dist, offload
 from ddptrain.activation_offload import apply_offload
-from ddptrain.compile import apply_compile, compile_whole
+from ddptrain.compile import EagerFallbacks, apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError
 from ddptrain.lora import apply_lora
 from ddptrain.optim import build_optimizer
@@ -43,6 +43,7 @@ class PreparedModel:
     activation_offload: Optional[Any]  # recompute.offload's saved-tensor hooks
     compiled: list  # regionally compiled module names
     streamed: Optional[Any]  # lora.base_offload's streamed base
+    fallbacks: EagerFallbacks  # compiled functions dynamo runs eagerly (past compile.recompile_limit)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
         # splits the graph at DDP's bucket boundaries so gradient all-reduce still overlaps
         wrapped = compile_whole(wrapped, cfg.compile, cfg.dist.bucket_cap_mb if ddp else None,
                                 recomputed=len(recomputed))
-    return PreparedModel(model, wrapped, master, adapted, recomputed, activation_offload, compiled, streamed)
+    return PreparedModel(model, wrapped, master, adapted, recomputed, activation_offload, compiled, streamed,
+                         EagerFallbacks(cfg.compile.enabled))
 
 
 def prepare_step(prepared: PreparedModel, loss_fn: Callable, cfg: Config, info: dist.DistInfo) -> OneStep:

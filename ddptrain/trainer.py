@@ -396,5 +396,5 @@ class Trainer:
         self.logger.step_done(p.step, out["loss_sum"], out["units"], self.stream.wait_s, p.step == self.total_steps,
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
-                                       "epoch": p.epoch, **data_scalars(stateful_sampler(self.train_data), self.device)},
-                              batches=micro)
+                                       "epoch": p.epoch, **self.prepared.fallbacks.scalars(self.logger.print),
+                                       **data_scalars(stateful_sampler(self.train_data), self.device)}, batches=micro)

@@ -213,6 +213,26 @@ def test_the_voxcpm2_plan_names_peers_the_bench_knows_and_times_out_inside_its_j
         "ddptrain_best_md320", "upstream", "ddptrain_lora_md320", "upstream_lora", "ddptrain_offload_rc_md320"}
 
 
+def test_the_perf1_plan_runs_what_issue_31_asks_next_in_order_on_one_gpu():
+    import bench_9b
+    import bench_voxcpm as bv
+    import gpu_session
+
+    (stage,) = gpu_session.SCRIPT_PLANS["perf1"]
+    assert [j.label for j in stage] == ["vox15_prof", "v2_ddp", "v2_lora_ddp", "b9_lora_compiled", "sharded_grads"]
+    assert all(j.gpus == "0" and os.path.exists(os.path.join(BENCH, j.args[0])) for j in stage)
+    opt = lambda job, k: job.args[job.args.index(k) + 1]  # noqa: E731
+    vox, v2, v2_lora, b9, _ = stage
+    assert opt(vox, "--peer") == "ddptrain_best_md320" and "--profile" in vox.args and "--arch" not in vox.args
+    for job, peer in ((v2, "ddptrain_best_md320"), (v2_lora, "ddptrain_lora_md320")):
+        assert opt(job, "--arch") == "voxcpm2" and opt(job, "--peers") == peer and peer in bv.OVERRIDES
+        assert float(opt(job, "--timeout")) < job.timeout
+    jobs = opt(b9, "--jobs").split(",")
+    assert b9.args[1] == "plan" and "--profile" in b9.args and jobs[0] == "lora_ddptrain_compiled"
+    assert bench_9b.COMPILED_VS_EAGER["lora_ddptrain_compiled"] in jobs  # the plan then compares them
+    assert sum(j.timeout for j in stage[:-1]) < 1100  # each ~1.7x its estimate; --budget 540 bounds the call
+
+
 def test_timed_loss_windows_the_timed_steps():
     from measure import TimedLoss
 

@@ -43,10 +43,15 @@ def test_flop_model_counts_the_real_decoder():
 @pytest.mark.timeout(300)
 def test_plan_dry_runs_on_cpu(tmp_path):
     out = tmp_path / "rows.jsonl"
-    jobs = ["lora_ddptrain", "full9b_zero"] + (["lora_hf_peft"] if importlib.util.find_spec("peft") else [])
+    jobs = ["lora_ddptrain", "lora_ddptrain_compiled", "full9b_zero"] + (
+        ["lora_hf_peft"] if importlib.util.find_spec("peft") else [])
     assert bench_9b.main(["plan", "--dry", "--jobs", ",".join(jobs), "--out", str(out), "--tmp", str(tmp_path)]) == 0
     rows = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    check = rows.pop("lora_ddptrain_compiled_vs_eager")  # the plan ran both: it compared them
     assert sorted(rows) == sorted(jobs)
+    compiled = rows["lora_ddptrain_compiled"]
+    assert compiled["compiled"] == 2 and compiled["compile_eager_fallbacks"] == 0 and rows["lora_ddptrain"]["compiled"] == 0
+    assert check["ok"] and check["steps"] == 3 and check["max_loss_rel_diff"] <= bench_9b.CHECK_RTOL["tiny"]
     lora, zero = rows["lora_ddptrain"], rows["full9b_zero"]
     for r in (lora, zero):
         assert "error" not in r and "9b" in r["workload"] and r["steps"] == 2 and r["tokens_per_s"] > 0
@@ -76,3 +81,18 @@ def test_both_peers_adapt_the_same_decoder_layers_and_never_the_vision_tower(mon
         bench_9b.lora_layers(real)
     with pytest.raises(RuntimeError, match="peft trains 21,299,200 parameters, the shared LoRA targets 47,595,520"):
         bench_9b.check_trainable("peft", 21_299_200, 47_595_520)
+
+
+def test_compiled_vs_eager_check_fails_on_a_different_loss_or_a_missing_row():
+    row = lambda name, losses, norms: {"name": name, "losses": losses, "grad_norms": norms}  # noqa: E731
+    eager = row("lora_ddptrain", [5.0, 4.9], [2.0, 2.1])
+    same = bench_9b.compare_losses([eager, row("lora_ddptrain_compiled", [5.0, 4.9], [2.0, 2.1])],
+                                   "lora_ddptrain_compiled", "lora_ddptrain", 1e-2)
+    assert same["ok"] and same["max_loss_rel_diff"] == 0.0
+    for losses, norms in (([5.0, 4.7], [2.0, 2.1]), ([5.0, 4.9], [2.0, 2.5]), ([5.0, float("nan")], [2.0, 2.1]),
+                          ([5.0], [2.0])):
+        got = bench_9b.compare_losses([eager, row("lora_ddptrain_compiled", losses, norms)],
+                                      "lora_ddptrain_compiled", "lora_ddptrain", 1e-2)
+        assert not got["ok"], (losses, norms)
+    missing = bench_9b.compare_losses([eager], "lora_ddptrain_compiled", "lora_ddptrain", 1e-2)
+    assert not missing["ok"] and "lora_ddptrain_compiled" in missing["error"]

@@ -10,6 +10,8 @@ vs compiled-without-recompute runs with dropout on and must agree exactly.
 from __future__ import annotations
 
 import copy
+import json
+import logging
 import os
 
 import pytest
@@ -18,12 +20,12 @@ from torch import nn
 
 import ddptrain
 
-from ddptrain.compile import apply_compile, compile_whole
+from ddptrain.compile import EagerFallbacks, apply_compile, compile_whole
 from ddptrain.config import CompileConfig, ConfigError, RecomputeConfig
 from ddptrain.recompute import apply_recompute, remove_recompute
 from _dist import run_ranks
 from test_recompute import TinyTransformer, _grads
-from test_trainer import FrameMLP, concat, frame_loss, make_cfg, micro_batches, params_of
+from test_trainer import FEAT, FrameMLP, concat, frame_loss, make_batch, make_cfg, micro_batches, params_of
 
 
 def _cfg(**kw) -> CompileConfig:
@@ -216,3 +218,50 @@ def _count_graphs(limit, graphs):
     # past the limit dynamo runs a block eagerly without an error: torch's default (8) would
     # leave 4 of these 12 blocks uncompiled, as it left VoxCPM2's MiniCPM layers
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+class _Variants(nn.Module):
+    """Twelve instances of one block class, each its own compiled variant (see ``_Scaled``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(FEAT, 4), nn.Linear(4, 1)
+        self.blocks = nn.Sequential(*[_Scaled(k) for k in range(1, 13)])
+
+    def forward(self, x):
+        return self.out(self.blocks(self.inp(x))).squeeze(-1)
+
+
+@pytest.mark.parametrize("limit", [8, 32])
+def test_trainer_warns_when_a_compiled_block_falls_back_to_eager(tmp_path, capsys, limit):
+    gen = torch.Generator().manual_seed(0)
+    data = [make_batch(gen, 3, 5) for _ in range(2)]  # one shape: only the 12 flags make variants
+    cfg = make_cfg(tmp_path, "trainer.max_steps=2", "checkpoint.save_at_end=false", "compile.enabled=true",
+                   "compile.backend=aot_eager", "compile.module_classes=[_Scaled]", f"compile.recompile_limit={limit}")
+    ddptrain.Trainer(_Variants(), frame_loss, cfg, data).fit()
+    err = capsys.readouterr().err
+    train = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if r["split"] == "train"]
+    said = [line for line in err.splitlines() if line.startswith("WARNING: torch.compile stopped compiling")]
+    where = f"({_Scaled.forward.__code__.co_filename}:{_Scaled.forward.__code__.co_firstlineno})"
+    if limit == 8:  # the 9th variant runs eagerly: named once, counted in every line from then on
+        assert len(said) == 1 and "compile.recompile_limit=8" in said[0] and where in said[0], err
+        assert [r["compile_eager_fallbacks"] for r in train] == [1, 1]
+    else:
+        assert said == [] and [r["compile_eager_fallbacks"] for r in train] == [0, 0]
+
+
+def test_eager_fallbacks_counts_a_hit_whose_warning_is_silenced():
+    fallbacks = EagerFallbacks(enabled=True)
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # as TORCH_LOGS="-dynamo" does
+    try:
+        model = nn.Sequential(*[_Scaled(k) for k in range(1, 13)])
+        apply_compile(model, _cfg(module_classes=["_Scaled"], recompile_limit=8))
+        model(torch.randn(2, 4)).sum().backward()
+    finally:
+        logger.setLevel(level)
+    said = []
+    assert fallbacks.scalars(said.append) == {"compile_eager_fallbacks": 1}
+    assert len(said) == 1 and "compile.recompile_limit" in said[0]
+    assert EagerFallbacks(enabled=False).scalars(said.append) == {}
