@@ -49,6 +49,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ddptrain.weights import save_weights
+
 AUDIO_START, AUDIO_END = 101, 102  # upstream's token ids around the audio of a TTS sequence
 REF_START, REF_END = 103, 104  # VoxCPM2's token ids around a reference recording (ref_audio)
 ARCHITECTURES = ("voxcpm", "voxcpm2")  # config.json's "architecture", as upstream's training script reads it
@@ -378,8 +380,6 @@ def load_pretrained(path: str, device: str, dtype: str) -> tuple:
 
 def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
     """Write a folder :func:`load_pretrained` (and upstream's ``from_local``) reads."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     raw = model.config.model_dump(exclude_none=True)  # upstream's `kv_channels: int = None` refuses an explicit null
     arch = getattr(model, "architecture", "voxcpm")
@@ -389,10 +389,8 @@ def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
         raw["audio_vae_config"] = vae_config_dict(vae)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=1)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-              os.path.join(path, "model.safetensors"))
-    save_file({k: v.detach().contiguous() for k, v in vae.state_dict().items()},
-              os.path.join(path, "audiovae.safetensors"))
+    save_weights(model.state_dict(), os.path.join(path, "model.safetensors"))  # the files the umask allows (0644)
+    save_weights(vae.state_dict(), os.path.join(path, "audiovae.safetensors"))
     hf_tokenizer.save_pretrained(path)
 
 
