@@ -173,7 +173,32 @@ def save_weights(model: Union[nn.Module, dict], path: str, metadata: Optional[di
             t = t.clone()
         seen.add(t.data_ptr())
         state[k] = t.to("cpu").contiguous()
-    save_file(state, path, metadata={"format": "pt", "writer": "ddptrain", **(metadata or {})})
+    _save_file(state, path, {"format": "pt", "writer": "ddptrain", **(metadata or {})})
+
+
+def _new_file_mode() -> int:
+    """The permission bits ``open()`` gives a new file: 0o666 less the process umask (read from
+    /proc, since ``os.umask`` can only read it by setting it, process-wide)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # no /proc (macOS): the brief window has the strictest mask, never a looser one
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _save_file(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """``safetensors.torch.save_file``, the file's permissions then those of any new file (umask 022:
+    0644): safetensors writes a private temporary file (0600) and renames it into place."""
+    save_file(tensors, path, metadata=metadata)
+    try:
+        os.chmod(path, _new_file_mode())
+    except OSError:  # a file system without modes (some network mounts): the file stays as written
+        pass
 
 
 def trainable_keys(module: nn.Module) -> set:
@@ -589,7 +614,7 @@ def write_shards(items: Iterable[tuple[str, torch.Tensor]], out_dir: str, max_sh
         nonlocal shard, size
         if shard:
             tmp = os.path.join(out_dir, f".part-{len(parts):05d}.safetensors")
-            save_file(shard, tmp, metadata=meta)
+            _save_file(shard, tmp, meta)
             parts.append((tmp, list(shard)))
             shard, size = {}, 0
 

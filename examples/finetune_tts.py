@@ -76,7 +76,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -95,7 +95,7 @@ from ddptrain.data.validate import budget_problems, keep_good  # noqa: E402
 from models import voxcpm_tts as vt  # noqa: E402
 from models.folders import check_model_folder, download_command  # noqa: E402
 from models.train_flops import VoxCpmFlops  # noqa: E402
-from tts_cache import CachedUtterance, prepare, read_cache  # noqa: E402
+from tts_cache import CachedUtterance, prepare, read_cache, recorded_vae  # noqa: E402
 
 
 MODEL_ID = "openbmb/VoxCPM1.5"  # the Hugging Face model id tts.path is a download of (or openbmb/VoxCPM2)
@@ -166,9 +166,10 @@ def compute_dtype(cfg) -> str:
 # ---------------------------------------------------------------------------------- the VAE and its cache
 
 
-def vae_spec(cfg) -> dict:
-    """What the latents depend on, without loading anything: the VAE's weights file (size,
-    modification time) or the preset and seed of a random one."""
+def vae_source(cfg) -> dict:
+    """Where the VAE's weights come from, found without loading anything: tts.path's VAE weights
+    file with its size and modification time, or a random VAE's preset, seed and config. The latent
+    cache records it beside :func:`vae_spec`, as the memo of the weights' hash."""
     t = cfg.tts
     if t.path:
         for name in ("audiovae.safetensors", "audiovae.pth"):
@@ -178,6 +179,31 @@ def vae_spec(cfg) -> dict:
                 return {"file": f, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
         raise ddptrain.ConfigError(f"tts.path={t.path!r} has neither audiovae.safetensors nor audiovae.pth")
     return {"preset": t.preset, "seed": t.vae_seed, "config": vt.PRESETS[t.preset]["audio_vae_config"]}
+
+
+_VAE_DIGESTS: dict = {}  # (vae_source, architecture, config) -> the VAE's SHA-256, for this process
+
+
+def vae_spec(cfg, manifest: Optional[str] = None, get_vae: Optional[Callable[[], torch.nn.Module]] = None) -> dict:
+    """What the latents depend on: the VAE's architecture, its config as upstream builds the VAE
+    (input sample rate, strides, ...) and a SHA-256 of its weights as loaded (``vt.vae_digest``),
+    so a moved, copied or re-exported model folder, or the folder a random init was exported to
+    (examples/export_tts.py), keeps its latent caches.
+
+    The hash is computed once per weights file (path, size, modification time) or random VAE: it
+    comes from this process's earlier call, else from ``manifest``'s cache when that recorded the
+    same :func:`vae_source`, else from the VAE itself (``get_vae()``, or :func:`load_vae`).
+    """
+    layout, arch = model_layout(cfg), architecture(cfg)
+    spec = {"architecture": arch, "config": vt.vae_config(layout, arch)}
+    memo = json.dumps([vae_source(cfg), spec], sort_keys=True)
+    if memo not in _VAE_DIGESTS:
+        recorded = recorded_vae(manifest, vae_source(cfg)) if manifest else None
+        if isinstance(recorded, dict) and recorded.get("sha256") and {k: recorded.get(k) for k in spec} == spec:
+            _VAE_DIGESTS[memo] = recorded["sha256"]
+        else:
+            _VAE_DIGESTS[memo] = vt.vae_digest((get_vae or (lambda: load_vae(cfg)))())
+    return {**spec, "sha256": _VAE_DIGESTS[memo]}
 
 
 def architecture(cfg) -> str:
@@ -229,26 +255,48 @@ def random_vae(cfg):
     return vae.float().eval().requires_grad_(False)
 
 
-def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device] = None) -> dict:
-    """Bring ``manifest``'s latent cache up to date for this run's VAE (a no-op when current)."""
+def load_vae(cfg) -> torch.nn.Module:
+    """The run's VAE alone: tts.path's VAE weights file (not the model's), or the random VAE of
+    tts.vae_seed, the caller's random stream left as it was."""
+    if cfg.tts.path:
+        return vt.load_vae(cfg.tts.path)
+    with torch.random.fork_rng(devices=[]):
+        return random_vae(cfg)
+
+
+def prepare_manifests(cfg, manifests: Sequence[str], vae=None, device: Optional[torch.device] = None) -> list[dict]:
+    """Bring each manifest's latent cache up to date for this run's VAE (a no-op when current).
+
+    The VAE (``vae``, or :func:`load_vae`: tts.path's VAE alone) is loaded at most once for all of
+    them, and only when an utterance needs encoding or the hash of weights not seen before is due.
+    """
     layout = model_layout(cfg)
     patch, v2 = layout.patch_size, architecture(cfg) == "voxcpm2"
+    dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    held = [vae]
 
     def get_vae():
-        v = vae
-        if v is None:
-            v = vt.load_pretrained(cfg.tts.path, "cpu", "float32")[1] if cfg.tts.path else random_vae(cfg)
-        dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if held[0] is None:
+            held[0] = load_vae(cfg)
+        return held[0]
+
+    def encoder():
         if dev.type == "cpu":  # the VAE's small convolutions lose much to competing threads (20x on 2 busy cores)
             torch.set_num_threads(1)
-        return v.to(dev), lambda m, wave: vt.encode_latents(m, wave, patch)
+        return get_vae().to(dev), lambda m, wave: vt.encode_latents(m, wave, patch)
 
     threads = torch.get_num_threads()
     try:
-        return prepare(manifest, vae_spec(cfg), patch, get_vae, cfg.data.bad_data, fields=cfg.data.fields,
-                       encode_ref=v2, min_sample_rate=vae_input_rate(layout) if v2 else 0)
+        return [prepare(m, vae_spec(cfg, m, get_vae), patch, encoder, cfg.data.bad_data, fields=cfg.data.fields,
+                        encode_ref=v2, min_sample_rate=vae_input_rate(layout) if v2 else 0,
+                        vae_source=vae_source(cfg)) for m in manifests]
     finally:
         torch.set_num_threads(threads)
+
+
+def prepare_manifest(cfg, manifest: str, vae=None, device: Optional[torch.device] = None) -> dict:
+    """:func:`prepare_manifests` of one manifest."""
+    return prepare_manifests(cfg, [manifest], vae, device)[0]
 
 
 def spec_manifests(spec) -> list[str]:
@@ -271,7 +319,7 @@ def config_manifests(cfg) -> list[str]:
 
 def read_latent_cache(cfg, manifest: str, patch_size: int) -> list[CachedUtterance]:
     """``manifest``'s cached utterances for this run (with their ref_audio latents for VoxCPM2)."""
-    return read_cache(manifest, vae_spec(cfg), patch_size, encode_ref=architecture(cfg) == "voxcpm2")
+    return read_cache(manifest, vae_spec(cfg, manifest), patch_size, encode_ref=architecture(cfg) == "voxcpm2")
 
 
 @dataclass
@@ -559,8 +607,7 @@ def build(cfg, info) -> tuple:
     latent caches on rank 0 first."""
     b = build_model(cfg, info)
     if info.is_main:
-        for m in config_manifests(cfg):
-            prepare_manifest(cfg, m, b.vae, info.device)
+        prepare_manifests(cfg, config_manifests(cfg), b.vae, info.device)
     ddptrain.dist.barrier()  # the other ranks read the caches rank 0 just wrote
     patch = b.layout.patch_size
     d = cfg.data
@@ -576,8 +623,7 @@ def build_eval(cfg, info, manifests: list[str]) -> tuple:
     latent caches prepared on rank 0 first; each manifest is scored on its own (one set, one source)."""
     b = build_model(cfg, info)
     if info.is_main:
-        for m in manifests:
-            prepare_manifest(cfg, m, b.vae, info.device)
+        prepare_manifests(cfg, manifests, b.vae, info.device)
     ddptrain.dist.barrier()
     loaders = {m: build_loader(read_latent_cache(cfg, m, b.layout.patch_size), cfg, b.tokenizer, b.layout, False,
                                info.world_size, info.rank) for m in manifests}

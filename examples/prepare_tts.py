@@ -7,8 +7,12 @@
     # VoxCPM2: each line's ref_audio is encoded too; audio below the VAE's input rate is named and refused
 
 examples/finetune_tts.py does the same itself on rank 0 before training (a no-op once done); this
-command prepares the caches beforehand, e.g. on another machine. Rerunning is a no-op when
-nothing changed; bad lines and unreadable audio are named by manifest line (``data.bad_data``).
+command prepares the caches beforehand, e.g. on another machine. It reads the model folder's VAE
+alone (config.json and audiovae.safetensors or .pth, not the model's weights), once for all the
+manifests and only when something needs encoding (or its weights were not hashed yet).
+Rerunning is a no-op when nothing changed; the caches are keyed on the VAE's content
+(architecture, config, a SHA-256 of its weights), so a moved or copied model folder keeps them.
+Bad lines and unreadable audio are named by manifest line (``data.bad_data``).
 """
 
 from __future__ import annotations
@@ -37,8 +41,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     manifests = manifests or ft.config_manifests(cfg)
     if not manifests:
         raise SystemExit("no manifests: name some, or set data.train_manifest in the config")
-    for m in manifests:
-        ft.prepare_manifest(cfg, m)
+    ft.prepare_manifests(cfg, manifests)  # the VAE alone, loaded once for them all (and only if needed)
     return 0
 
 

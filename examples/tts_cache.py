@@ -4,8 +4,11 @@ VoxCPM trains on the latents of its frozen AudioVAE. Upstream's script encodes e
 with the VAE again in every step; here the VAE runs once per utterance, before training, and the
 trained module never holds it. For ``DIR/NAME.jsonl`` the cache is the folder ``DIR/NAME.latents/``:
 
-* ``meta.json``: what the latents depend on: the VAE (checkpoint file with its size and
-  modification time, or preset + seed of a random one) and the patch size;
+* ``meta.json``: what the latents depend on: the VAE (its architecture, its config with the input
+  sample rate, and a SHA-256 of its weights as loaded: ``finetune_tts.vae_spec``) and the patch
+  size; beside them ``vae_source``, where those weights were read (the weights file with its size
+  and modification time, or a random VAE's preset and seed), which memoises the hash: a later run
+  of the same file does not hash it again, and a moved or copied model folder keeps its caches;
 * ``index.jsonl``: one line per utterance: id, text, manifest line, the audio file's size and
   modification time, latent frames and the latent file; upstream VoxCPM's ``ref_audio`` and
   ``dataset_id`` when the line has them (passed through to :class:`CachedUtterance`);
@@ -19,13 +22,16 @@ ref_audio file recorded at a lower rate is a bad line naming the file: upsampled
 band and the model learns to speak muffled. Higher rates are resampled to the VAE's, as for 1.5.
 
 Rerunning :func:`prepare` is a no-op when nothing changed (no file is written, the VAE is not even
-loaded); utterances whose audio changed, or that are new, are encoded; a different VAE or patch
-size starts the cache over. Bad data is handled as ``ddptrain.data.validate`` handles it, each
-case named by manifest file and line in its words: malformed lines and duplicate ids (found
-before anything is encoded), then missing, unreadable, corrupt or zero-length audio (found by
-encoding); ``data.bad_data: error`` stops after listing every bad one, ``skip`` leaves them out
-of the cache. The recipe (examples/finetune_tts.py) prepares its manifests itself on rank 0
-before training; ``python examples/prepare_tts.py`` does it beforehand.
+loaded); utterances whose audio changed, or that are new, are encoded; a different VAE (weights,
+config or architecture) or patch size starts the cache over, and :func:`read_cache` refuses it,
+naming what differs. A cache of the first format (keyed on the VAE file's path, size and
+modification time) is taken over without encoding while that file is unchanged. Bad data is
+handled as ``ddptrain.data.validate`` handles it, each case named by manifest file and line in
+its words: malformed lines and duplicate ids (found before anything is encoded), then missing,
+unreadable, corrupt or zero-length audio (found by encoding); ``data.bad_data: error`` stops
+after listing every bad one, ``skip`` leaves them out of the cache. The recipe
+(examples/finetune_tts.py) prepares its manifests itself on rank 0 before training; ``python
+examples/prepare_tts.py`` does it beforehand.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from ddptrain.data import DataError, Problem, load_audio
 from ddptrain.data.audio import AudioError
 from ddptrain.data.validate import finish_report, read_entries
 
-CACHE_FORMAT = "ddptrain-tts-latents/1"
+CACHE_FORMAT = "ddptrain-tts-latents/2"
+LEGACY_FORMAT = "ddptrain-tts-latents/1"  # meta.json's "vae" was the file's path, size and modification time
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,8 @@ def _passed(entry) -> dict:
 
 def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[], tuple],
             bad_data: str = "error", log: Callable[[str], None] = print,
-            fields: Optional[Mapping[str, str]] = None, encode_ref: bool = False, min_sample_rate: int = 0) -> dict:
+            fields: Optional[Mapping[str, str]] = None, encode_ref: bool = False, min_sample_rate: int = 0,
+            vae_source: Optional[dict] = None) -> dict:
     """Bring ``manifest``'s latent cache up to date.
 
     Args:
@@ -153,6 +161,8 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
         fields: ``data.fields`` (manifest keys of other names).
         encode_ref: also encode each line's ``ref_audio`` (VoxCPM2's reference conditioning).
         min_sample_rate: refuse audio recorded below this rate, naming the file (0: no check).
+        vae_source: where the VAE's weights were read (JSON-able; see :func:`finetune_tts.vae_source`):
+            recorded beside ``vae_spec`` for :func:`recorded_vae`.
 
     Returns:
         ``{"dir", "encoded", "reused", "skipped", "written"}`` (``written``: whether any file changed).
@@ -169,7 +179,10 @@ def prepare(manifest: str, vae_spec: dict, patch_size: int, get_vae: Callable[[]
     usable = finish_report(entries, problems, bad_data).entries
     meta = _meta(vae_spec, patch_size, encode_ref)
     old_meta = _read_json(os.path.join(folder, "meta.json"))
-    old = _read_index(os.path.join(folder, "index.jsonl")) if old_meta == meta else {}
+    current = _key(old_meta) == meta or _legacy_current(old_meta, vae_source, patch_size, encode_ref)
+    old = _read_index(os.path.join(folder, "index.jsonl")) if current else {}
+    if vae_source is not None:
+        meta = {**meta, "vae_source": vae_source}
     rows, todo, unreadable = [], [], []
     for e in usable:
         key, prev = _audio_key(e), old.get(e.id)
@@ -245,6 +258,36 @@ def _meta(vae_spec: dict, patch_size: int, encode_ref: bool) -> dict:
     return meta
 
 
+def _key(meta: Optional[dict]) -> Optional[dict]:
+    """What of ``meta.json`` the latents depend on (``vae_source`` only memoises the VAE's hash)."""
+    return {k: v for k, v in meta.items() if k != "vae_source"} if isinstance(meta, dict) else None
+
+
+def _legacy_current(meta: Optional[dict], vae_source: Optional[dict], patch_size: int, encode_ref: bool) -> bool:
+    """Whether a first-format cache was encoded by the VAE of ``vae_source``: its ``vae`` named the
+    same file with the same size and modification time (or the same random VAE)."""
+    return (isinstance(meta, dict) and vae_source is not None and meta.get("format") == LEGACY_FORMAT
+            and meta.get("vae") == vae_source and meta.get("patch_size") == int(patch_size)
+            and ("ref_audio" in meta) == encode_ref)
+
+
+def recorded_vae(manifest: str, vae_source: dict) -> Optional[dict]:
+    """The VAE spec ``manifest``'s cache recorded for weights read from ``vae_source`` (its hash,
+    computed then), or None: the cache holds another source, or none."""
+    meta = _read_json(os.path.join(cache_dir(manifest), "meta.json"))
+    if isinstance(meta, dict) and meta.get("format") == CACHE_FORMAT and meta.get("vae_source") == vae_source:
+        return meta.get("vae")
+    return None
+
+
+def _differences(old, new, prefix: str = "") -> list[str]:
+    """``key: old (this run: new)`` for each key whose values differ, nested keys dotted."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [f"{prefix or 'value'}: {old} (this run: {new})"]
+    return [d for k in sorted(set(old) | set(new), key=str)
+            for d in _differences(old.get(k), new.get(k), f"{prefix}{k}" if not prefix else f"{prefix}.{k}")]
+
+
 def read_cache(manifest: str, vae_spec: dict, patch_size: int, encode_ref: bool = False) -> list[CachedUtterance]:
     """The cached utterances of ``manifest`` (after :func:`prepare`).
 
@@ -257,9 +300,12 @@ def read_cache(manifest: str, vae_spec: dict, patch_size: int, encode_ref: bool 
     hint = f"run: python examples/prepare_tts.py --config CONFIG {manifest}"
     if meta is None:
         raise DataError(f"{manifest}: no latent cache in {folder} ({hint})")
-    if meta != want:
-        raise DataError(f"{folder} was made with another VAE or patch size ({meta.get('vae')}, patch "
-                        f"{meta.get('patch_size')}; this run: {vae_spec}, patch {patch_size}); {hint}")
+    if meta.get("format") != CACHE_FORMAT:
+        raise DataError(f"{folder} is a latent cache of another format ({meta.get('format')}; this run reads "
+                        f"{CACHE_FORMAT}); {hint} (it keeps the latents when the VAE is the one they were made with)")
+    if _key(meta) != want:
+        raise DataError(f"{folder} was made with another VAE or patch size: "
+                        f"{'; '.join(_differences(_key(meta), want))}; {hint}")
     out = []
     for row in _read_index(os.path.join(folder, "index.jsonl")).values():
         path = os.path.join(folder, row["latent"])

@@ -1,7 +1,9 @@
 """examples/finetune_tts.py, tts_cache.py and prepare_tts.py: VoxCPM (upstream's model code) on the tiny preset.
 
 A handful of utterances of the shipped dialect corpus, copied to a temporary folder. Checked:
-the latent cache is idempotent and names bad audio with its manifest line; upstream VoxCPM's JSONL
+the latent cache is idempotent and names bad audio with its manifest line; it is prepared with the VAE
+alone, loaded once, to the latents the whole model's load gave, bitwise; it is keyed on the VAE's
+content (a moved or re-exported model folder keeps it, other VAE weights do not); upstream VoxCPM's JSONL
 reads unchanged (ref_audio, dataset_id passed through); batches are exactly
 what upstream's own packer makes from the audio; the loss is upstream's total times the
 loss-masked frames; the loss falls and samples reach wav files and TensorBoard; a resumed run
@@ -14,11 +16,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -97,6 +101,89 @@ def test_prepare_is_idempotent(fresh_corpus, tmp_path):
     with pytest.raises(DataError, match="another VAE"):
         tts_cache.read_cache(corpus["train"], ft.vae_spec(other), 2)
     assert ft.prepare_manifest(other, corpus["train"])["encoded"] == FRESH
+
+
+def model_folder(cfg, path):
+    """The run's random init saved as a download of its model is laid out (examples/export_tts.py's base)."""
+    b = ft.build_model(cfg, ddptrain.setup_distributed(cfg))
+    vt.save_pretrained(b.model, b.vae, b.tokenizer.hf, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v2"])
+def test_prepare_loads_the_vae_alone_once_and_encodes_as_the_whole_model_did(fresh_corpus, tmp_path, preset,
+                                                                              monkeypatch):
+    import prepare_tts
+
+    corpus = fresh_corpus
+    folder = model_folder(recipe_config(corpus, tmp_path, f"tts.preset={preset}"), tmp_path / "model")
+    whole_model_load, loads = vt.load_pretrained, []
+    monkeypatch.setattr(vt, "load_pretrained", lambda *a, **k: pytest.fail("prepare read the whole model"))
+    monkeypatch.setattr(vt, "load_vae", lambda path, real=vt.load_vae: loads.append(path) or real(path))
+    argv = ["--config", os.path.join(ROOT, "configs", "tts_dialect.yaml"), corpus["train"], corpus["dev"],
+            f"tts.path={folder}"]
+    assert prepare_tts.main(argv) == 0 and loads == [folder]  # once, for both manifests
+    ft._VAE_DIGESTS.clear()  # a later run: the caches are current, their record spares the VAE's hash
+    assert prepare_tts.main(argv) == 0 and loads == [folder]
+    # the latents, bitwise, against those of the VAE the whole model's load returned (the path before)
+    old_vae = whole_model_load(folder, "cpu", "float32")[1]
+    cfg = recipe_config(corpus, tmp_path, f"tts.path={folder}")
+    for m in (corpus["train"], corpus["dev"]):
+        old_manifest = m.replace(".jsonl", "_old.jsonl")
+        shutil.copy(m, old_manifest)
+
+        def old_path():
+            torch.set_num_threads(1)
+            return old_vae, lambda vae, wave: vt.encode_latents(vae, wave, 2)
+
+        tts_cache.prepare(old_manifest, ft.vae_spec(cfg), 2, old_path, encode_ref=preset == "tiny-v2", log=lambda _: 0)
+        new, old = ft.read_latent_cache(cfg, m, 2), tts_cache.read_cache(old_manifest, ft.vae_spec(cfg), 2,
+                                                                         encode_ref=preset == "tiny-v2")
+        assert [(u.id, u.frames) for u in new] == [(u.id, u.frames) for u in old] and new
+        for a, b in zip(new, old):
+            assert np.load(a.latent_path).tobytes() == np.load(b.latent_path).tobytes(), a.id
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-v2"])
+def test_the_cache_follows_the_vaes_content_not_its_path(fresh_corpus, tmp_path, monkeypatch, preset):
+    corpus, train = fresh_corpus, fresh_corpus["train"]
+    random_init = recipe_config(corpus, tmp_path, f"tts.preset={preset}")
+    assert ft.prepare_manifest(random_init, train)["encoded"] == FRESH
+    # the folder that random init is exported to holds the same VAE: its latents are reused
+    folder = model_folder(random_init, tmp_path / "base")
+    assert ft.prepare_manifest(recipe_config(corpus, tmp_path, f"tts.path={folder}"), train)["encoded"] == 0
+    # copied elsewhere (another path, a new modification time): reused, and read by the recipe
+    moved = str(tmp_path / "elsewhere" / "base")
+    shutil.copytree(folder, moved, copy_function=shutil.copy)
+    cfg = recipe_config(corpus, tmp_path, f"tts.path={moved}")
+    again = ft.prepare_manifest(cfg, train)
+    assert (again["encoded"], again["reused"]) == (0, FRESH)
+    ft._VAE_DIGESTS.clear()  # a later run reads the weights' hash from the cache's record, not the file
+    monkeypatch.setattr(vt, "vae_digest", lambda vae: pytest.fail("the VAE was hashed again"))
+    assert len(ft.read_latent_cache(cfg, train, 2)) == FRESH
+    monkeypatch.undo()
+    # other VAE weights: the reader refuses the cache naming the hash, prepare encodes it again
+    vae_file = os.path.join(moved, "audiovae.safetensors")
+    state = load_file(vae_file)
+    name = sorted(state)[0]
+    state[name] = state[name] + 0.01
+    save_file(state, vae_file)
+    st = os.stat(vae_file)
+    os.utime(vae_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a rewrite as a later run sees it
+    with pytest.raises(DataError, match=r"another VAE or patch size: vae\.sha256: [0-9a-f]{64} \(this run: "):
+        ft.read_latent_cache(cfg, train, 2)
+    assert ft.prepare_manifest(cfg, train)["encoded"] == FRESH
+    # a cache of the first format (keyed on the VAE file's path, size and time) is taken over unencoded
+    meta_file = os.path.join(tts_cache.cache_dir(train), "meta.json")
+    legacy = {"format": tts_cache.LEGACY_FORMAT, "vae": ft.vae_source(cfg), "patch_size": 2,
+              **({"ref_audio": "encoded"} if preset == "tiny-v2" else {})}
+    open(meta_file, "w").write(json.dumps(legacy))
+    ft._VAE_DIGESTS.clear()
+    with pytest.raises(DataError, match="another format"):
+        ft.read_latent_cache(cfg, train, 2)
+    assert ft.prepare_manifest(cfg, train)["encoded"] == 0
+    assert json.load(open(meta_file))["format"] == tts_cache.CACHE_FORMAT
+    assert len(ft.read_latent_cache(cfg, train, 2)) == FRESH
 
 
 def test_prepare_names_unreadable_audio(fresh_corpus, tmp_path):

@@ -218,7 +218,8 @@ def test_latent_cache_holds_the_references_and_is_reused(corpus, tmp_path):
     assert all(np.load(u.ref_latent_path).shape == (u.ref_frames, 16) for u in utts)
     assert np.array_equal(np.load(utts[0].ref_latent_path), np.load(utts[0].latent_path))  # its own audio as reference
     meta = json.load(open(os.path.join(tts_cache.cache_dir(train), "meta.json")))
-    assert meta["ref_audio"] == "encoded" and meta["vae"]["preset"] == "tiny-v2"
+    assert meta["ref_audio"] == "encoded" and meta["vae"]["architecture"] == "voxcpm2"
+    assert meta["vae_source"]["preset"] == "tiny-v2"
     with pytest.raises(DataError, match="another VAE"):  # a 1.5 reader (no references) is not handed this cache
         tts_cache.read_cache(train, ft.vae_spec(cfg), 2)
     rows = [json.loads(x) for x in open(train)]

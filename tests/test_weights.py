@@ -237,3 +237,27 @@ def test_every_reader_checks_a_checkpoints_file_against_its_checksums(tmp_path):
         with pytest.raises(CheckpointError, match=damaged):
             read()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_written_weights_files_follow_the_umask_like_any_new_file(tmp_path, mask):
+    """safetensors' writer leaves its files 0600 (a private temporary file renamed into place):
+    a checkpoint or an export then could not be read by the group the run folder is shared with."""
+    from test_lora import _base_file, _run  # a LoRA run with checkpoints, as test_lora.py makes them
+
+    old = os.umask(mask)
+    try:
+        base = _base_file(tmp_path)
+        _run(tmp_path / "run", base, 2)
+        run = str(tmp_path / "run")
+        written = [base, os.path.join(run, "checkpoints", "step_00000002", "model.safetensors"),
+                   *weights.export_merged(run, str(tmp_path / "shards"), max_shard_gb=1e-6),
+                   *weights.export_merged(run, str(tmp_path / "merged")),
+                   weights.export_adapters(run, str(tmp_path / "adapters"))]
+        with open(tmp_path / "plain.txt", "w"):  # what any new file gets under this umask
+            pass
+    finally:
+        os.umask(old)
+    want = os.stat(tmp_path / "plain.txt").st_mode & 0o777
+    assert want == 0o666 & ~mask and len(written) > 5
+    assert {f: oct(os.stat(f).st_mode & 0o777) for f in written} == {f: oct(want) for f in written}

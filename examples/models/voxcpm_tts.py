@@ -23,7 +23,8 @@ script trains them. What this file adds:
   tokenizer files), read like upstream's ``VoxCPMModel.from_local(training=True)`` but strictly
   (a missing or unexpected tensor is an error) and with the VAE returned apart: the VAE is
   frozen and only encodes audio once (examples/prepare_tts.py) and decodes samples, so it never
-  sits in the trained module, its optimizer state or its gradient all-reduce.
+  sits in the trained module, its optimizer state or its gradient all-reduce. :func:`load_vae`
+  reads the VAE alone (the latent cache's encoder), :func:`vae_digest` hashes what it holds.
 * :func:`import_voxcpm2`: the VoxCPM2 module (see there for its one missing import).
 * The architecture of a folder is upstream's own switch: config.json's ``"architecture"``
   (``voxcpm2``; absent = VoxCPM/1.5), as upstream's training script reads it; a random init takes
@@ -37,6 +38,7 @@ script trains them. What this file adds:
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -48,6 +50,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from ddptrain.weights import save_weights
 
 AUDIO_START, AUDIO_END = 101, 102  # upstream's token ids around the audio of a TTS sequence
 REF_START, REF_END = 103, 104  # VoxCPM2's token ids around a reference recording (ref_audio)
@@ -324,6 +328,78 @@ def build_model(config, hf_tokenizer, vae: torch.nn.Module, device: str, archite
     return model
 
 
+def read_config(path: str, dtype: Optional[str] = None) -> tuple:
+    """``(architecture, VoxCPMConfig)`` of a checkpoint folder's config.json (``dtype`` overrides its own).
+
+    Raises:
+        FileNotFoundError: no config.json (the folder named).
+    """
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{path}: no config.json (a VoxCPM checkpoint folder has config.json, "
+                                "model.safetensors, audiovae.safetensors/.pth and tokenizer files)")
+    arch = folder_architecture(path)
+    with open(cfg_file, encoding="utf-8") as f:
+        config = model_module(arch).VoxCPMConfig.model_validate_json(f.read())
+    if dtype is not None:
+        config.dtype = dtype
+    return arch, config
+
+
+def _tensors(path: str, stem: str) -> dict:
+    """The state dict of ``stem`` (``model`` or ``audiovae``) in a checkpoint folder, as upstream's loader finds it."""
+    from safetensors.torch import load_file
+
+    st = os.path.join(path, stem + ".safetensors")
+    pt = os.path.join(path, "audiovae.pth" if stem == "audiovae" else "pytorch_model.bin")
+    if os.path.exists(st):
+        return load_file(st)
+    if os.path.exists(pt):
+        obj = torch.load(pt, map_location="cpu", weights_only=True)
+        return obj.get("state_dict", obj)
+    raise FileNotFoundError(f"{path}: neither {os.path.basename(st)} nor {os.path.basename(pt)}")
+
+
+def _loaded_vae(config, architecture: str, path: str) -> torch.nn.Module:
+    vae = vae_from_config(config.audio_vae_config or None, architecture)
+    vae.load_state_dict(_tensors(path, "audiovae"), strict=True)
+    return vae
+
+
+def load_vae(path: str) -> torch.nn.Module:
+    """The VAE of a VoxCPM checkpoint folder alone (``AudioVAE`` / ``AudioVAEV2`` by config.json's
+    architecture, from its ``audio_vae_config`` and ``audiovae.safetensors`` or ``.pth``), fp32 and
+    frozen: the one :func:`load_pretrained` returns, without reading the model's weights (VoxCPM2:
+    2.29B parameters) or building the model.
+
+    Raises:
+        FileNotFoundError: config.json or the VAE's weights file is missing (named).
+        RuntimeError: the VAE's weights do not match its config.
+    """
+    arch, config = read_config(path)
+    return _loaded_vae(config, arch, path).float().eval().requires_grad_(False)
+
+
+def vae_config(config, architecture: str) -> dict:
+    """The VAE's config as upstream builds the VAE from it: config.json's ``audio_vae_config`` with
+    every default filled in (upstream's default config when absent), e.g. its input ``sample_rate``."""
+    vae_cfg = config.audio_vae_config
+    if vae_cfg is None:
+        module = model_module(architecture)
+        vae_cfg = module.AudioVAEConfigV2() if architecture == "voxcpm2" else module.AudioVAEConfig()
+    return json.loads(vae_cfg.model_dump_json())
+
+
+def vae_digest(vae: torch.nn.Module) -> str:
+    """SHA-256 of a VAE's tensors as it holds them (names, dtypes, shapes, bytes): what its latents
+    depend on besides its config, whichever file (or random init) they came from."""
+    h = hashlib.sha256()
+    for name, t in sorted(vae.state_dict().items()):
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def load_pretrained(path: str, device: str, dtype: str) -> tuple:
     """``(model, vae, hf_tokenizer)`` from a VoxCPM checkpoint folder (e.g. VoxCPM1.5 or VoxCPM2;
     config.json's ``"architecture"`` picks the model class and VAE, as upstream's script does).
@@ -339,36 +415,13 @@ def load_pretrained(path: str, device: str, dtype: str) -> tuple:
         FileNotFoundError: a file is missing (named).
         RuntimeError: the weights do not match the config (missing/unexpected tensors named).
     """
-    from safetensors.torch import load_file
     from transformers import LlamaTokenizerFast
 
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{path}: no config.json (a VoxCPM checkpoint folder has config.json, "
-                                "model.safetensors, audiovae.safetensors/.pth and tokenizer files)")
-    arch = folder_architecture(path)
-    vox = model_module(arch)
-    with open(cfg_file, encoding="utf-8") as f:
-        config = vox.VoxCPMConfig.model_validate_json(f.read())
-    config.dtype = dtype
-
-    def tensors(stem: str) -> dict:
-        st, pt = os.path.join(path, stem + ".safetensors"), os.path.join(path, stem + (".pth" if stem == "audiovae"
-                                                                                        else ".bin"))
-        if stem == "model" and not os.path.exists(st):
-            pt = os.path.join(path, "pytorch_model.bin")
-        if os.path.exists(st):
-            return load_file(st)
-        if os.path.exists(pt):
-            obj = torch.load(pt, map_location="cpu", weights_only=True)
-            return obj.get("state_dict", obj)
-        raise FileNotFoundError(f"{path}: neither {os.path.basename(st)} nor {os.path.basename(pt)}")
-
-    vae = vae_from_config(config.audio_vae_config or None, arch)
-    vae.load_state_dict(tensors("audiovae"), strict=True)
+    arch, config = read_config(path, dtype)
+    vae = _loaded_vae(config, arch, path)
     hf_tok = LlamaTokenizerFast.from_pretrained(path, local_files_only=True)
     model = build_model(config, hf_tok, vae, device, arch)
-    state = {k: v for k, v in tensors("model").items() if not k.startswith("audio_vae.")}
+    state = {k: v for k, v in _tensors(path, "model").items() if not k.startswith("audio_vae.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(f"{path}: the weights do not match config.json: missing {missing[:8]}, "
@@ -378,8 +431,6 @@ def load_pretrained(path: str, device: str, dtype: str) -> tuple:
 
 def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
     """Write a folder :func:`load_pretrained` (and upstream's ``from_local``) reads."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     raw = model.config.model_dump(exclude_none=True)  # upstream's `kv_channels: int = None` refuses an explicit null
     arch = getattr(model, "architecture", "voxcpm")
@@ -389,10 +440,8 @@ def save_pretrained(model, vae, hf_tokenizer, path: str) -> None:
         raw["audio_vae_config"] = vae_config_dict(vae)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=1)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-              os.path.join(path, "model.safetensors"))
-    save_file({k: v.detach().contiguous() for k, v in vae.state_dict().items()},
-              os.path.join(path, "audiovae.safetensors"))
+    save_weights(model.state_dict(), os.path.join(path, "model.safetensors"))  # the files the umask allows (0644)
+    save_weights(vae.state_dict(), os.path.join(path, "audiovae.safetensors"))
     hf_tokenizer.save_pretrained(path)
 
 
