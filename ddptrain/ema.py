@@ -46,9 +46,10 @@ uninterrupted run's bit for bit), ``meta.json`` says ``"ema": {"updates": n, "ev
 whether the checkpoint's metrics measured the EMA weights; ``python -m ddptrain.weights export``
 and ``python -m ddptrain.average`` then export the EMA weights by default (``--weights model``:
 the trained ones), and so does ``examples/evaluate.py`` score them (``--which``);
-``ddptrain.load_weights(model, checkpoint, which="ema")`` loads them into a model. A run resumed with ``ema.enabled`` from a checkpoint without an EMA starts one
-from the resumed weights; ``ema.decay``, ``every_steps``, ``warmup`` and ``device`` may change on
-resume (from the resumed step on).
+``ddptrain.load_weights(model, checkpoint, which="ema")`` loads them into a model. A run resumed
+with ``ema.enabled`` from a checkpoint without an EMA starts one from the resumed weights;
+``ema.decay``, ``every_steps``, ``warmup`` and ``device`` may change on resume (from the resumed
+step on).
 
 Using it by hand: ``with trainer.ema.swapped(): ...`` runs anything on the EMA weights (every
 rank together when sharded).
