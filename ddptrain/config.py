@@ -144,6 +144,9 @@ class CompileConfig:
     backend: str = "inductor"  # torch.compile backend (aot_eager: trace without code generation, for debugging)
     recompile_limit: int = 32  # compiled variants dynamo keeps per compiled function (torch's default: 8); past it the block runs eagerly (slower; under recompute an error; the Trainer warns and logs compile_eager_fallbacks). A class reused with other dtypes/flags (VoxCPM2's four MiniCPM stacks) needs more than 8
     ddp_overlap: bool = True  # whole model on >1 GPU: split the graph at DDP buckets so the all-reduce overlaps the backward; false: one graph, all-reduce after it
+    cuda_graphs: bool = False  # one GPU: capture each batch shape's forward + backward as a CUDA graph after its warm-up and replay it (ddptrain/cuda_graphs.py: what loss_fn must do, what it costs); for host-bound steps of many small kernels
+    cuda_graph_warmup: int = 1  # compile.cuda_graphs: eager micro-batches of a shape before it is captured
+    cuda_graph_max: int = 64  # compile.cuda_graphs: shapes captured at most; later new shapes run eagerly (each graph keeps its static input buffers)
 
 
 @dataclass
@@ -444,6 +447,9 @@ RULES: dict[str, Rule] = {
     "compile.backend": not_empty(),
     "compile.recompile_limit": at_least(1),
     "compile.ddp_overlap": ANY,
+    "compile.cuda_graphs": ANY,
+    "compile.cuda_graph_warmup": at_least(1),
+    "compile.cuda_graph_max": at_least(1),
     "lora.enabled": ANY,
     "lora.targets": items(not_empty()),
     "lora.rank": at_least(1),
@@ -562,6 +568,13 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
      lambda offload, recompute, on, classes, globs: offload == "none" or recompute or not on or bool(classes or globs),
      "recompute.offload=cpu without recompute.enabled needs a regional compile (compile.module_classes or "
      "compile.name_globs) or none: a whole-model torch.compile does not run the saved-tensor hooks that offload"),
+    (("compile.cuda_graphs", "recompute.enabled"), lambda graphs, recompute: not (graphs and recompute),
+     "compile.cuda_graphs=true with recompute.enabled=true is not supported: recomputation re-draws dropout from "
+     "an RNG state saved on the host, which a captured graph cannot replay; set one of them false"),
+    (("compile.cuda_graphs", "recompute.offload", "optim.offload", "lora.base_offload"),
+     lambda graphs, acts, optim, base: not graphs or acts == optim == base == "none",
+     "compile.cuda_graphs=true needs recompute.offload, optim.offload and lora.base_offload all none: their "
+     "host-side copies and hooks during the backward cannot be captured in a CUDA graph"),
     (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
      "data.train_manifest and data.train_sources both name the training data: set one of them"),
     (("data.eval_manifest", "data.eval_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),

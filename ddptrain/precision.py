@@ -193,6 +193,11 @@ class MasterWeights:
         for p, m in self._cast:
             p.grad = None
 
+    def drop_master_grads(self) -> None:
+        """Free the fp32 master gradients :meth:`load_grads` made, leaving the model's own."""
+        for _, m in self._cast:
+            m.grad = None
+
     def state_dict(self, module: nn.Module) -> dict:
         """``module.state_dict()`` with the fp32 masters in place of the bf16 parameters: what a
         checkpoint saves, so resuming restores the masters exactly."""

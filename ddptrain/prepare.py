@@ -124,6 +124,6 @@ def prepare_step(prepared: PreparedModel, loss_fn: Callable, cfg: Config, info: 
     # the tensors whose gradients backward fills (the model's; with masters they are bf16)
     params = [p for p in prepared.module.parameters() if p.requires_grad]
     update = StepUpdate(optimizer, precision, prepared.master, params, info.world_size, t.clip_grad_norm, device,
-                        sharded_grads=shard_grads(cfg, info.world_size))
+                        sharded_grads=shard_grads(cfg, info.world_size), keep_grads=cfg.compile.cuda_graphs)
     solo = prepared.module if info.distributed else prepared.model  # one rank: the compiled model, if any
     return OneStep(solo, loss_fn, optimizer, precision, update, device)

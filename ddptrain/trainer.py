@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import dist, ema, preflight, regression, resume, runfolder, weights
+from ddptrain import cuda_graphs, dist, ema, preflight, regression, resume, runfolder, weights
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
@@ -93,6 +93,8 @@ class Trainer:
             self.logger = RunLogger(t.output_dir, config.logging, self.info.is_main,
                                     self.total_steps, self.progress.step, window)
             self.guard.say = self.stream.say = self.logger.print
+            if self.graphs is not None:
+                self.graphs.say = self.logger.print
             dist.preflight(config.dist, self.info, self.logger, self.progress.step)  # a slow GPU link, named now
             if self.info.is_main:
                 resume.record(t.output_dir, to_yaml(config), self.progress.step if resume_from else None, changed)
@@ -121,6 +123,7 @@ class Trainer:
         self.optimizer, self.precision, self.update = s.optimizer, s.precision, s.update
         self.guard = StepGuard(self.cfg.trainer, self.precision, self.progress)  # prints through the logger, once made
         self.ema = ema.build(self.cfg.ema, self.module, self.master, self.optimizer, self.device)  # ema.enabled, else None
+        self.graphs = cuda_graphs.for_run(self.cfg, s, self.info.world_size)  # compile.cuda_graphs, else None
 
     def _setup_data(self) -> None:
         """Loader workers, run length and schedule horizon, signals, GC, CPU threads."""
@@ -211,6 +214,9 @@ class Trainer:
             last = i == len(micro_batches) - 1
             sync = last or not self.info.distributed
             self.update.before_backward(last)
+            if self.graphs is not None:  # compile.cuda_graphs: one process, a graph per batch shape
+                self.graphs(batch, self._where(i), sums, p.unit_scale, weight)
+                continue
             with (contextlib.nullcontext() if sync else self.model.no_sync()):
                 forward_backward(self.model, self.loss_fn, self.precision, to_device(batch, self.device),
                                  self._where(i), sums, p.unit_scale, weight)
@@ -397,4 +403,5 @@ class Trainer:
                               lambda: {"lr": self.optimizer.param_groups[0]["lr"], "grad_norm": out["grad_norm"],
                                        "loss_scale": self.precision.loss_scale(), "skipped_steps": p.skipped_steps,
                                        "epoch": p.epoch, **self.prepared.fallbacks.scalars(self.logger.print),
+                                       **(self.graphs.scalars() if self.graphs is not None else {}),
                                        **data_scalars(stateful_sampler(self.train_data), self.device)}, batches=micro)

@@ -30,13 +30,16 @@ class StepUpdate:
         device: the training device.
         sharded_grads: each rank holds the gradients of its own partition only
             (``optim.shard_grads``): the global norm is the root of the ranks' summed squares.
+        keep_grads: zero the model's gradients in place instead of freeing them
+            (``compile.cuda_graphs``: a captured backward accumulates into those very tensors).
     """
 
     def __init__(self, optimizer, precision: Precision, master: Optional[MasterWeights], params: list,
-                 world_size: int, clip: float, device: torch.device, sharded_grads: bool = False):
+                 world_size: int, clip: float, device: torch.device, sharded_grads: bool = False,
+                 keep_grads: bool = False):
         self.optimizer, self.precision, self.master, self.params = optimizer, precision, master, params
         self.world_size, self.clip, self.device = world_size, clip, device
-        self.sharded_grads = sharded_grads
+        self.sharded_grads, self.keep_grads = sharded_grads, keep_grads
         self._owned = ({id(p) for g in optimizer.optim.param_groups for p in g["params"]}
                        if is_zero(optimizer) else None)  # the masters this rank updates
         # A fused optimizer can skip a non-finite step on the device: the step is then queued
@@ -118,11 +121,19 @@ class StepUpdate:
                     self.master.copy_to_model()
             else:
                 self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
+        self._zero_grads(grads)
+        return {"loss_sum": loss, "units": units, "grad_norm": norm, "negative": negative,
+                "preempt": stop > 0, "stepped": stepped}
+
+    def _zero_grads(self, grads: list) -> None:
+        if self.keep_grads:
+            torch._foreach_zero_(grads)  # the model's, kept where a graph writes them
+            if self.master:
+                self.master.drop_master_grads()  # the fp32 masters' (the ones that are not the model's)
+            return
         self.optimizer.zero_grad(set_to_none=True)
         if self.master:
             self.master.zero_model_grads()
-        return {"loss_sum": loss, "units": units, "grad_norm": norm, "negative": negative,
-                "preempt": stop > 0, "stepped": stepped}
 
     def _scale_grads(self, grads: list, factor) -> None:
         """Gradients x ``factor`` (a float; None: left to the optimizer); with masters, into their
