@@ -25,7 +25,7 @@ its warm-up and its capture, runs eagerly from then on, with one warning. So do 
 not know (their key cannot be told). All graphs share one memory pool: a replay's outputs are read
 into the step's sums before the next replay can overwrite them.
 
-What ``loss_fn`` must do for a graph to stand for it (docs/config.md, ``compile.cuda_graphs``):
+What ``loss_fn`` must do for a graph to stand for it:
 compute from the batch's tensors and numbers only. Strings (ids, texts) and Python state read in
 the forward (a schedule's progress) are those of the captured batch, and host-side work (a
 tokenizer called in the loss) runs only at capture. A unit count that varies within one shape
