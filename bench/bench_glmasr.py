@@ -115,6 +115,7 @@ OVERRIDES.update({
     "ddptrain_bf16_compile_cut": BF16 + COMPILE + CUT_ONE_BUCKET,
     "ddptrain_bf16_compile_cut_dyn": BF16 + COMPILE + CUT_ONE_BUCKET + ["compile.dynamic=true"],
 })
+OVERRIDES["ddptrain_bf16_compile_cut_cg"] = OVERRIDES["ddptrain_bf16_compile_cut"] + ["compile.cuda_graphs=true"]
 OVERRIDES["ddptrain_cut"] = ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_cut"] = OVERRIDES["ddptrain_best"] + ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
