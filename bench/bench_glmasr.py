@@ -91,7 +91,7 @@ import finetune_glmasr as fg  # noqa: E402
 import ddptrain  # noqa: E402
 from ddptrain.data import SyntheticCorpus  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
-from measure import (TimedLoss, append_row, cap_gpu_memory, device, mem_reset, named_peers, peak_gb,  # noqa: E402
+from measure import (graph_counts, TimedSteps, append_row, cap_gpu_memory, device, mem_reset, named_peers, peak_gb,  # noqa: E402
                      peer_row, sync)
 from models.train_flops import GlmAsrFlops  # noqa: E402
 from profiling import diagnose  # noqa: E402
@@ -240,17 +240,20 @@ def run_ddptrain(args) -> dict:
                                        hf.config.text_config.max_position_embeddings,
                                        collate_wrapper=lambda c: StatsCollate(c, flops, hf=False), corpus=corpus(args))
     objective = fg.GlmAsrObjective(layout, None, loader.feature_extractor)
-    counters, graphs = torch._dynamo.utils.counters["stats"], []
+    counters = torch._dynamo.utils.counters["stats"]
 
     def loss(m, batch):
-        graphs.append(counters["unique_graphs"])  # graphs compiled so far: a slow step that compiled
         with attention_scope(args):
             return objective(m, batch)
 
-    timed = TimedLoss(loss, stats=lambda batch: batch.pop("stats"),
-                      keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
+    def stats(batch):  # + the graphs compiled so far: was a slow step one that compiled?
+        return dict(batch.pop("stats"), graphs=counters["unique_graphs"])
+
+    # timed at the step, and the stats out of the batch: compile.cuda_graphs replays skip loss_fn
+    timed = TimedSteps(stats, keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
     mem_reset()
-    trainer = ddptrain.Trainer(model, timed, cfg, loader)
+    trainer = ddptrain.Trainer(model, loss, cfg, loader)
+    timed.attach(trainer)
     trainer.fit()
     sync()
     w, n = args.warmup, args.steps
@@ -260,7 +263,7 @@ def run_ddptrain(args) -> dict:
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
              "ov": ov, "data_wait_frac": waits,
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
-             **step_record(timed.calls, graphs, w, n)}
+             **step_record(timed.calls, w, n), **graph_counts(trainer)}
     extra.update(diagnose({"profile": args.profile, "gaps": args.gaps, "profile_steps": args.profile_steps},
                           lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent))))
     if "profile" in extra:
@@ -268,7 +271,7 @@ def run_ddptrain(args) -> dict:
     return summarize(args, elapsed, stats, extra)
 
 
-def step_record(calls: list, graphs: list, w: int, n: int) -> dict:
+def step_record(calls: list, w: int, n: int) -> dict:
     """Per timed step: host ms, shape (rows x frames, decoder length), whether the run saw that
     shape for the first time, and dynamo graphs compiled in it (is a slow step a new shape?)."""
     seen, out = set(), {"step_ms": [], "step_shape": [], "step_new_shape": [], "step_new_graphs": []}
@@ -279,7 +282,7 @@ def step_record(calls: list, graphs: list, w: int, n: int) -> dict:
             out["step_ms"].append(round(1e3 * (calls[i + 1][0] - t), 1))
             out["step_shape"].append(shape)
             out["step_new_shape"].append(shape not in seen)
-            out["step_new_graphs"].append(graphs[i + 1] - graphs[i])
+            out["step_new_graphs"].append(calls[i + 1][1]["graphs"] - s["graphs"])
         seen.add(shape)
     if torch.cuda.is_available():
         out["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)

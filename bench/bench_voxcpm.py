@@ -98,7 +98,7 @@ sys.path[:0] = [p for p in (HERE, os.path.join(HERE, "..", "examples")) if p not
 from ddptrain.data import SyntheticCorpus  # noqa: E402
 from flops import PEAK_BF16  # noqa: E402
 from models.train_flops import VoxCpmFlops as Flops  # noqa: E402
-from measure import (Interleave, TimedLoss, append_row, cap_gpu_memory, device, mem_reset,  # noqa: E402
+from measure import (graph_counts, Interleave, TimedSteps, append_row, cap_gpu_memory, device, mem_reset,  # noqa: E402
                      named_peers, peak_gb, peer_row, sync, world)
 from profiling import diagnose  # noqa: E402
 from profiling import summary as profile_summary  # noqa: E402
@@ -416,13 +416,15 @@ def run_ddptrain(args) -> dict:
 
     def stats(batch):
         b, s = batch["text_mask"].shape
-        real = (batch["text_mask"] + batch["audio_mask"]).sum()  # stays on the device: read after the clock
+        real = (batch["text_mask"] + batch["audio_mask"]).sum()  # the host batch: no device sync
         return {"n": b, "audio_s": float(sum(d[int(i)] for i in batch["ids"])), "flops": flops(b, s), "real": real,
                 "padded": b * s}
 
-    timed = TimedLoss(ft.TTSObjective(), stats, keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
+    # timed at the Trainer's step, not in the loss: compile.cuda_graphs replays skip loss_fn
+    timed = TimedSteps(stats, keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
     mem_reset()
-    trainer = ddptrain.Trainer(model, timed, cfg, loader)
+    trainer = ddptrain.Trainer(model, ft.TTSObjective(), cfg, loader)
+    timed.attach(trainer)
     trainer.fit()
     sync()
     elapsed, timed_stats, _ = timed.window(w, n, end=time.perf_counter())
@@ -452,7 +454,7 @@ def run_ddptrain(args) -> dict:
                       "samples_per_s_per_rank": [sum(s["n"] for s in e["stats"]) / e["elapsed"] for e in every],
                       "loss": logged[-1]["loss"] if logged else None,
                       "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"],
-                      **params(trainer.module), **diag},
+                      **params(trainer.module), **graph_counts(trainer), **diag},
                      world_size=ws, peaks=[e["peak"] for e in every])
 
 

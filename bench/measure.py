@@ -253,6 +253,52 @@ class TimedLoss:
         return t[-1] - t[0], [s for _, s in self.calls[w:w + n]], [b - a for a, b in zip(t, t[1:])]
 
 
+class TimedSteps(TimedLoss):
+    """A :class:`TimedLoss` whose clock is the Trainer's step, not the loss call: a replayed CUDA
+    graph (``compile.cuda_graphs``) runs no ``loss_fn``, and per-batch ``stats`` left in the batch
+    would give every batch a graph key of its own (host numbers are keyed by value).
+
+    ``attach(trainer)`` wraps ``trainer.train_step``: at each step it records the host time and
+    the stats (``stats(batch)``, default: the ``stats`` entry the collate added, taken out of a
+    copy of the batch before the Trainer sees it); a step of several micro-batches records their
+    numeric stats summed, other entries from the first. ``recent`` keeps the batches with their
+    stats, as profiling's FLOPs count reads them.
+    """
+
+    def __init__(self, stats: Optional[Callable[[dict], dict]] = None, keep: int = 0):
+        super().__init__(None, stats or (lambda batch: batch.pop("stats", {})), keep)
+
+    def attach(self, trainer) -> "TimedSteps":
+        inner = trainer.train_step
+
+        def train_step(micro_batches):
+            t, seen, batches = time.perf_counter(), [], []
+            for b in micro_batches:
+                if self.recent.maxlen:
+                    self.recent.append(dict(b) if isinstance(b, dict) else b)
+                b = dict(b) if isinstance(b, dict) else b  # a replayed batch must keep its stats
+                seen.append(self.stats(b))
+                batches.append(b)
+            merged = dict(seen[0]) if seen else {}
+            for k in merged:
+                if len(seen) > 1 and all(isinstance(s.get(k), (int, float, torch.Tensor)) for s in seen):
+                    merged[k] = sum(s[k] for s in seen)
+            self.calls.append((t, merged))
+            self.sensors.sample()
+            return inner(batches)
+
+        trainer.train_step = train_step
+        return self
+
+
+def graph_counts(trainer) -> dict:
+    """``compile.cuda_graphs``' counts over the whole run (warm-up included): keys captured,
+    micro-batches that replayed one, micro-batches in all; {} when it is off."""
+    g = getattr(trainer, "graphs", None)
+    return {} if g is None else {"cuda_graphs": len(g.graphs), "cuda_graph_replays": g.replayed,
+                                 "cuda_graph_batches": g.total, "cuda_graph_eager_keys": len(g.eager_only)}
+
+
 def append_row(path: str, row: dict) -> None:
     """Appends ``row`` as one JSON line to ``path`` (its folder made if needed); rank 0 only, so
     the ranks of one run write one row."""

@@ -376,9 +376,11 @@ class TTSCollator:
     """Examples -> one padded batch of upstream's sequences (:func:`voxcpm_tts.pack_utterance`).
 
     Batch keys: ``ids``; ``text_tokens``, ``text_mask``, ``audio_mask``, ``loss_mask``,
-    ``labels``, ``position_ids`` (B, S); ``audio_feats`` (B, S, P, D); ``frames`` (int: the
-    loss-masked latent frames, the loss's units) and ``patches`` (int), counted on the host so a
-    step needs no device sync; ``sources`` (each utterance's source name) with named sources.
+    ``labels``, ``position_ids`` (B, S); ``audio_feats`` (B, S, P, D); ``frames`` (0-d int64: the
+    loss-masked latent frames, the loss's units) and ``patches`` (0-d int64), counted here so a
+    step needs no device sync, and tensors so batches of one shape share one captured graph
+    (``compile.cuda_graphs`` keys host numbers by value); ``sources`` (each utterance's source
+    name) with named sources.
     Padding (to a multiple of ``pad_multiple``) has every mask at 0.
     """
 
@@ -401,7 +403,7 @@ class TTSCollator:
             feats[b, :len(q["labels"])] = q["audio_feats"]
         batch["audio_feats"] = feats
         batch["position_ids"] = torch.arange(s).repeat(len(seqs), 1)  # unused by the model, as upstream
-        patches = int(batch["loss_mask"].sum())
+        patches = batch["loss_mask"].sum(dtype=torch.int64)
         batch.update(patches=patches, frames=patches * self.patch)
         if "source" in examples[0]:
             batch["sources"] = [e["source"] for e in examples]
@@ -500,17 +502,17 @@ class TTSObjective:
         mixes sources is scored again, one forward per source."""
         out = self._last[1] if self._last and self._last[0] == id(batch) else self.outputs(model, batch)
         self._last = None
-        result = self._parts(out, batch["frames"], batch["patches"], with_loss=False)
+        frames, patches = int(batch["frames"]), int(batch["patches"])
+        result = self._parts(out, frames, patches, with_loss=False)
         names = batch.get("sources") or []
         for name in sorted(set(names)):
             rows = [i for i, n in enumerate(names) if n == name]
             if len(rows) == len(names):
-                result.update(self._parts(out, batch["frames"], batch["patches"], name))
+                result.update(self._parts(out, frames, patches, name))
                 continue
-            sub = {k: v[rows] if torch.is_tensor(v) else v for k, v in batch.items()}
-            patches = int(sub["loss_mask"].sum())
-            result.update(self._parts(self.outputs(model, sub), patches * batch["frames"] // max(1, batch["patches"]),
-                                      patches, name))
+            sub = {k: v[rows] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()}
+            part = int(sub["loss_mask"].sum())
+            result.update(self._parts(self.outputs(model, sub), part * frames // max(1, patches), part, name))
         return result
 
     def _parts(self, out: dict, frames: int, patches: int, source: str = "", with_loss: bool = True) -> dict:
