@@ -453,6 +453,7 @@ def run_ddptrain(args) -> dict:
                       "as_world": args.as_world, "utterances": args.utterances,
                       "samples_per_s_per_rank": [sum(s["n"] for s in e["stats"]) / e["elapsed"] for e in every],
                       "loss": logged[-1]["loss"] if logged else None,
+                      "losses": [r.get("loss") for r in logged if r.get("split") == "train"],  # every log line's
                       "data_wait_frac": [r.get("data_wait_frac") for r in logged if r.get("split") == "train"],
                       **params(trainer.module), **graph_counts(trainer), **diag},
                      world_size=ws, peaks=[e["peak"] for e in every])
