@@ -262,6 +262,21 @@ def test_batches_equal_the_upstream_packer(corpus, tmp_path):
     torch.testing.assert_close(loss_sum / units, out["loss/diff"] + out["loss/stop"])
 
 
+def test_batches_of_one_padded_shape_share_one_cuda_graph_key():
+    # compile.cuda_graphs keys host numbers by value: frames and patches (the loss's units) are
+    # tensors, or every batch of a bucket would capture a graph of its own and none would replay
+    from ddptrain.cuda_graphs import batch_key
+
+    collate = ft.TTSCollator(2, pad_multiple=32)
+    a = collate([{"id": "a", "text_ids": list(range(200, 210)), "latents": torch.randn(40, 8)},
+                 {"id": "b", "text_ids": list(range(200, 212)), "latents": torch.randn(30, 8)}])
+    b = collate([{"id": "c", "text_ids": list(range(200, 205)), "latents": torch.randn(20, 8)},
+                 {"id": "d", "text_ids": list(range(200, 206)), "latents": torch.randn(24, 8)}])
+    assert a["text_mask"].shape == b["text_mask"].shape and int(a["frames"]) != int(b["frames"])
+    assert batch_key(a) == batch_key(b)
+    assert int(a["frames"]) == int(a["loss_mask"].sum()) * 2 and int(a["patches"]) == int(a["loss_mask"].sum())
+
+
 def test_loss_falls_and_samples_are_written(corpus, tmp_path):
     cfg = ["trainer.max_steps=16", "trainer.eval_every=16", "tts.num_samples=1", "tts.sample_timesteps=2",
            "tts.sample_max_ratio=0.5",
