@@ -151,6 +151,20 @@ def test_glmasr_hf_grouped_peer_uses_the_hf_trainers_length_grouping(tmp_path):
     assert fill["hf_grouped"] > 1.3 * fill["hf"]
 
 
+def test_glmasr_ddptrain_peer_is_timed_at_the_trainers_step(tmp_path):
+    # measure.TimedSteps: the clock and the batch stats at each train_step, the stats taken out of
+    # the batch before the Trainer sees it (compile.cuda_graphs keys host numbers by value)
+    import bench_glmasr
+
+    out = tmp_path / "r.jsonl"
+    assert bench_glmasr.main(["--preset", "tiny", "--warmup", "1", "--steps", "3", "--workers", "0",
+                              "--peers", "ddptrain_cut", "--out", str(out)]) == 0
+    (row,) = rows(out)
+    assert "error" not in row, row.get("error")
+    assert len(row["step_ms"]) == 3 and all(ms > 0 for ms in row["step_ms"])
+    assert row["samples_per_s"] > 0 and row["audio_s_per_s"] > 0
+
+
 def test_a_peer_process_that_fails_or_runs_too_long_is_an_error_row(tmp_path):
     # measure.peer_row: how bench_glmasr.py and bench_voxcpm.py run each peer
     from measure import peer_row
