@@ -142,8 +142,9 @@ class StatsCollate:
         ids = b["input_ids"]
         bsz, length = ids.shape
         feats = b["features"]
-        logits = bsz * length if self.hf else b["labels"].numel()
-        projected = feats.shape[0] * (feats.shape[1] // 8) if self.hf else b["audio_src"].numel()
+        real = b["labels"] >= 0  # padded targets (glmasr.pad_indices) count no FLOPs
+        logits = bsz * length if self.hf else int(real.sum())
+        projected = feats.shape[0] * (feats.shape[1] // 8) if self.hf else int((b["audio_dst"] < bsz * length).sum())
         stats = {"n": bsz, "audio_s": float(sum(e["audio"].numel() for e in examples)) / SR,
                  "rows": feats.shape[0], "frames": feats.shape[1], "length": length,
                  "flops": self.flops(feats.shape[0], feats.shape[1], bsz, length, logits, projected)}
@@ -151,8 +152,8 @@ class StatsCollate:
             b["stats"] = stats
             return b
         labels = torch.full_like(ids, -100).flatten()
-        labels[b["pred_index"] + 1] = b["labels"]
-        ends = (b["pred_index"] // length).bincount(minlength=bsz) + b["prompt_lens"]
+        labels[b["pred_index"][real] + 1] = b["labels"][real]
+        ends = (b["pred_index"][real] // length).bincount(minlength=bsz) + b["prompt_lens"]
         attn = (torch.arange(length)[None, :] < ends[:, None]).long()
         mask = (torch.arange(feats.shape[1])[None, :] < b["chunk_frames"][:, None]).long()
         return {"input_ids": ids, "attention_mask": attn, "labels": labels.view(bsz, length),
@@ -262,6 +263,7 @@ def run_ddptrain(args) -> dict:
     waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
              "ov": ov, "data_wait_frac": waits,
+             "losses": [r["loss"] for r in logged if r.get("split") == "train"],  # graphs vs eager, log by log
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
              **step_record(timed.calls, w, n), **graph_counts(trainer)}
     extra.update(diagnose({"profile": args.profile, "gaps": args.gaps, "profile_steps": args.profile_steps},

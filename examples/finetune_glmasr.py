@@ -65,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ddptrain  # noqa: E402
 from ddptrain import metrics  # noqa: E402
-from ddptrain.config import at_least, one_of, satisfies  # noqa: E402
+from ddptrain.config import at_least, one_of, satisfies, switch  # noqa: E402
 from ddptrain.data import BatchFeatureExtractor, DataError, DurationBucketSampler, Problem, make_loader  # noqa: E402
 from ddptrain.data.dataset import BadExample, SpeechDataset  # noqa: E402
 from ddptrain.data.sampler import speed_stretch  # noqa: E402
@@ -83,6 +83,7 @@ MODEL_FILES = {"config.json": ("config.json",), "the weights (model*.safetensors
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|begin_of_audio|>", "<|end_of_audio|>"]
 DEFAULT_PROMPT = "<|user|>\n<|begin_of_audio|>{audio}<|end_of_audio|><|user|>\nPlease transcribe this audio into text<|assistant|>\n"
 AUDIO_TOKEN = "<|pad|>"  # the tokenizer's name of config.audio_token_id in the released model
+IGNORE_INDEX = -100  # the label of a padded target (glmasr.pad_indices): no loss, not a unit
 
 
 @dataclass
@@ -99,6 +100,8 @@ class GlmAsrRecipeConfig:
     max_tokens: int = 0  # decoder positions per batch: B x longest prompt+audio+transcript <= this; 0 = no limit
     token_pad_multiple: int = 8  # pad the decoder length to a multiple of this (fewer distinct shapes)
     frame_pad_multiple: int = 8  # encoder_length=batch: pad the mel length to a multiple of this (of 8; 400 = 4 s: fewer shapes)
+    pad_indices: str = "auto"  # on: the audio and target index lists padded, so they are as long as the batch's shapes say (compile.cuda_graphs can replay them) | off | auto = on with compile.cuda_graphs
+    target_pad_multiple: int = 128  # pad_indices: the targets padded to a multiple of this (label -100: no loss, no unit)
     generate_eval: bool = True  # eval: WER/CER of greedy decoding (else the loss only)
     max_new_tokens: int = 200  # generation stops after this many tokens
     export_dir: str = ""  # at the end, save the model + tokenizer here as a HF folder (from_pretrained)
@@ -124,6 +127,8 @@ class RecipeConfig(ddptrain.Config):
             f"a positive multiple of {FRAME_MULTIPLE}", lambda v: v >= FRAME_MULTIPLE and v % FRAME_MULTIPLE == 0,
             f"must be a positive multiple of {FRAME_MULTIPLE} (the encoder merges 8 mel frames into one LLM embedding)"),
         "glmasr.token_pad_multiple": at_least(1),
+        "glmasr.pad_indices": switch("off", "on", "auto"),
+        "glmasr.target_pad_multiple": at_least(1),
         "glmasr.max_tokens": at_least(0),
         "glmasr.max_new_tokens": at_least(1),
     }
@@ -251,6 +256,12 @@ class GlmAsrCollator:
         max_positions: the LLM's context; a longer sequence is an error naming the utterance.
         split_long: cut audio over 30 s into chunks; False = an error naming the utterance.
         hop: samples per mel frame.
+        target_pad_multiple: 0 = index lists as long as their entries; k > 0 = padded, so their
+            lengths follow the batch's tensor shapes and ``compile.cuda_graphs`` can replay
+            one graph for every batch of one shape: ``audio_src`` / ``audio_dst`` to one entry per
+            embedding of the chunk rows (pads: source 0, destination ``B * L``, which the model
+            drops), ``pred_index`` / ``labels`` to a multiple of k (label -100: no loss), the
+            audio (``feature_device: gpu``) to the samples of ``num_frames``.
 
     Batch keys: ``ids``, ``texts``, ``skipped_ids``; ``input_ids`` (B, L); ``features`` (R, T,
     mel) or ``audio`` (R, S) + ``audio_lens`` (R,) + ``num_frames`` (T, an int); ``chunk_frames``
@@ -259,8 +270,9 @@ class GlmAsrCollator:
 
     def __init__(self, layout: PromptLayout, extractor: Optional[BatchFeatureExtractor], encoder_length: str = "window",
                  token_pad_multiple: int = 8, max_positions: int = 8192, split_long: bool = True, hop: int = 160,
-                 frame_pad_multiple: int = FRAME_MULTIPLE):
+                 frame_pad_multiple: int = FRAME_MULTIPLE, target_pad_multiple: int = 0):
         self.layout, self.extractor = layout, extractor
+        self.target_multiple = target_pad_multiple
         self.encoder_length, self.multiple = encoder_length, max(1, token_pad_multiple)
         self.frame_multiple = frame_pad_multiple
         self.max_positions, self.split_long, self.hop = max_positions, split_long, hop
@@ -305,8 +317,11 @@ class GlmAsrCollator:
             # position p predicts token p + 1: the transcript and its EOS start at prompt_len
             pred.append(b * length + prompt_len - 1 + torch.arange(n_target))
             labels.append(input_ids[b, prompt_len:prompt_len + n_target])
+        src, dst, pred, labels = torch.cat(src), torch.cat(dst), torch.cat(pred), torch.cat(labels)
+        if self.target_multiple:
+            src, dst, pred, labels = self._pad_indices(src, dst, pred, labels, row * per_row, len(seqs) * length)
         lens = torch.tensor([p.numel() for p in pieces], dtype=torch.int64)
-        audio = torch.zeros(len(pieces), int(lens.max()))
+        audio = torch.zeros(len(pieces), t * self.hop if self.target_multiple else int(lens.max()))
         for r, p in enumerate(pieces):
             audio[r, :p.numel()] = p
         if self.extractor is not None:
@@ -315,9 +330,17 @@ class GlmAsrCollator:
         else:
             batch.update(audio=audio, audio_lens=lens, num_frames=t)
         batch.update(input_ids=input_ids, chunk_frames=torch.tensor(flat_frames, dtype=torch.int64),
-                     audio_src=torch.cat(src), audio_dst=torch.cat(dst), pred_index=torch.cat(pred),
-                     labels=torch.cat(labels), prompt_lens=torch.tensor([s[2] for s in spans], dtype=torch.int64))
+                     audio_src=src, audio_dst=dst, pred_index=pred, labels=labels,
+                     prompt_lens=torch.tensor([s[2] for s in spans], dtype=torch.int64))
         return batch
+
+    def _pad_indices(self, src, dst, pred, labels, embeddings: int, positions: int) -> tuple:
+        """The four index lists padded (see ``target_pad_multiple``): audio to ``embeddings``
+        entries, destination ``positions`` (one past the last: the model's scratch row)."""
+        pad = embeddings - src.numel()
+        targets = -(-labels.numel() // self.target_multiple) * self.target_multiple - labels.numel()
+        return (F.pad(src, (0, pad)), F.pad(dst, (0, pad), value=positions), F.pad(pred, (0, targets)),
+                F.pad(labels, (0, targets), value=IGNORE_INDEX))
 
 
 def decoder_length(layout: PromptLayout, num_samples: int, num_targets: int, hop: int = 160) -> int:
@@ -351,8 +374,10 @@ def make_collator(cfg, layout: PromptLayout, max_positions: int, train: bool) ->
     data, g = cfg.data, cfg.glmasr
     extractor = BatchFeatureExtractor(data).train(train)
     on_gpu = data.feature_device == "gpu"
+    pad = g.pad_indices == "on" or (g.pad_indices == "auto" and cfg.compile.cuda_graphs)
     collate = GlmAsrCollator(layout, None if on_gpu else extractor, g.encoder_length, g.token_pad_multiple,
-                             max_positions, g.long_audio == "split", extractor.hop, g.frame_pad_multiple)
+                             max_positions, g.long_audio == "split", extractor.hop, g.frame_pad_multiple,
+                             g.target_pad_multiple if pad else 0)
     return collate, (extractor if on_gpu else None)
 
 
@@ -470,8 +495,9 @@ class GlmAsrObjective:
     def __call__(self, model, batch):
         logits = model(batch["input_ids"], self.features(model, batch), batch["audio_src"], batch["audio_dst"],
                        batch["pred_index"])
-        loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
-        return loss, batch["labels"].numel()
+        labels = batch["labels"]
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+        return loss, (labels != IGNORE_INDEX).sum()  # a tensor: padded targets (glmasr.pad_indices) are not units
 
     def transcripts(self, model, batch) -> list[str]:
         ids = model.transcribe(batch, self.features(model, batch), self.max_new_tokens, self.layout.eos_ids,

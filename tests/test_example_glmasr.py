@@ -308,3 +308,67 @@ def test_recompute_gives_the_same_gradients_and_frozen_encoder_stays_fixed(asset
     assert enc and all(torch.equal(before[n], after[n]) for n in enc)
     assert not torch.equal(before["hf.model.multi_modal_projector.linear_1.weight"],
                            after["hf.model.multi_modal_projector.linear_1.weight"])
+
+
+@pytest.mark.parametrize("features", ["worker", "gpu"])
+def test_padded_indices_give_the_unpadded_loss_units_and_gradients(assets, tmp_path, features):
+    kw = ("data.shuffle=false", "glmasr.encoder_length=batch", f"data.feature_device={features}")
+    _, model, obj_a, train_a, _, _ = built(assets, tmp_path, *kw, "glmasr.pad_indices=off")
+    _, _, obj_b, train_b, _, _ = built(assets, tmp_path, *kw, "glmasr.pad_indices=on", "glmasr.target_pad_multiple=16")
+    a, b = first_batch(train_a), first_batch(train_b)
+    assert a["ids"] == b["ids"]
+    bsz, length = b["input_ids"].shape
+    rows = (b["features"] if features == "worker" else b["audio"]).shape[0]
+    t = b["features"].shape[1] if features == "worker" else b["num_frames"]
+    # the index lists' lengths follow the tensor shapes: one audio entry per embedding of the rows
+    assert b["audio_src"].numel() == b["audio_dst"].numel() == rows * t // 8 > a["audio_src"].numel()
+    assert b["labels"].numel() % 16 == 0 and b["labels"].numel() > a["labels"].numel()
+    assert (b["audio_dst"] == bsz * length).sum() == b["audio_dst"].numel() - a["audio_dst"].numel()
+    assert (b["labels"] == -100).sum() == b["labels"].numel() - a["labels"].numel()
+    if features == "gpu":
+        assert b["audio"].shape[1] == t * 160 and torch.equal(b["audio_lens"], a["audio_lens"])
+
+    def run(obj, batch):
+        model.zero_grad()
+        loss, units = obj(model, batch)
+        loss.backward()
+        return loss.detach(), units, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    la, ua, ga = run(obj_a, a)
+    lb, ub, gb = run(obj_b, b)
+    assert int(ua) == int(ub) == a["labels"].numel()
+    torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], atol=1e-6, rtol=1e-4)
+
+
+def test_padded_batches_of_one_shape_share_one_cuda_graph_key():
+    # compile.cuda_graphs keys a batch by its tensors' shapes: unpadded, the audio and target index
+    # lists are as long as each batch's own audio and transcripts, so no two batches would share one
+    from ddptrain.cuda_graphs import batch_key
+
+    layout = fg.PromptLayout((10, 11), (12,), 50, 2, 2, (2,))
+
+    def batch(collate, seconds, tokens):
+        return collate([{"id": f"u{i}", "text": "x", "audio": torch.randn(int(s * 16000)),
+                         "tokens": torch.arange(3, 3 + k)} for i, (s, k) in enumerate(zip(seconds, tokens))])
+
+    for multiple, same in ((0, False), (32, True)):
+        collate = fg.GlmAsrCollator(layout, None, "batch", 64, frame_pad_multiple=400, target_pad_multiple=multiple)
+        a, b = batch(collate, (3.1, 2.2), (9, 5)), batch(collate, (3.6, 2.9), (12, 10))
+        assert a["input_ids"].shape == b["input_ids"].shape and a["num_frames"] == b["num_frames"]
+        assert (a["audio_src"].shape == b["audio_src"].shape) == same
+        assert (batch_key(a) == batch_key(b)) == same, multiple
+
+
+@pytest.mark.timeout(120)
+def test_cuda_graphs_replay_padded_batches_with_the_eager_losses(assets, tmp_path):
+    # on the CPU compile.cuda_graphs runs its bookkeeping on the key's buffers (backend "rerun"):
+    # glmasr.pad_indices=auto pads with it on, so the repeated shapes replay, and losses are eager's
+    kw = ("glmasr.encoder_length=batch", "glmasr.frame_pad_multiple=400", "data.shuffle=false")
+    train_run(assets, tmp_path, tmp_path / "eager", 6, *kw, "glmasr.pad_indices=on")
+    trainer, _ = train_run(assets, tmp_path, tmp_path / "graphs", 6, *kw, "compile.cuda_graphs=true")
+    graphs = trainer.graphs  # one shape (4 s of frames, 64 positions): one graph, all but the first replay it
+    assert len(graphs.graphs) == 1 and graphs.replayed == graphs.total - 1 == 5 and not graphs.eager_only
+    assert read_losses(tmp_path / "graphs") == pytest.approx(read_losses(tmp_path / "eager"), rel=1e-6)

@@ -106,8 +106,10 @@ class GlmAsrForTraining(nn.Module):
             input_ids: (B, L) right-padded prompt + placeholders + transcript.
             features: (R, T, mel) one row per 30 s chunk (T a multiple of 8).
             audio_src: (N,) indices into the flattened (R * T // 8) audio embeddings ...
-            audio_dst: (N,) ... and the flattened (B * L) positions they replace.
-            pred_index: (K,) flattened positions whose next token is a target.
+            audio_dst: (N,) ... and the flattened (B * L) positions they replace; ``B * L`` is a
+                pad (written to a scratch row that is dropped).
+            pred_index: (K,) flattened positions whose next token is a target (or a pad whose
+                label the loss ignores).
 
         Returns:
             (K, vocab) logits.
@@ -116,7 +118,8 @@ class GlmAsrForTraining(nn.Module):
         lm = self.hf.model.language_model
         embeds = lm.embed_tokens(input_ids).flatten(0, 1)
         audio = self.audio_embeddings(features, audio_src)
-        embeds = embeds.index_copy(0, audio_dst, audio.to(embeds.dtype)).view(b, length, -1)
+        scratch = embeds.new_zeros(1, embeds.shape[1])  # where padded entries of audio_dst go
+        embeds = torch.cat([embeds, scratch]).index_copy(0, audio_dst, audio.to(embeds.dtype))[:-1].view(b, length, -1)
         hidden = lm(inputs_embeds=embeds, use_cache=False).last_hidden_state
         return self.hf.lm_head(hidden.flatten(0, 1).index_select(0, pred_index))
 

@@ -141,7 +141,10 @@ class GlmAsrFlops:
             rows, frames = batch["features"].shape[:2]
         else:
             rows, frames = batch["audio"].shape[0], int(batch["num_frames"])
-        return self(rows, frames, bsz, length, batch["labels"].numel(), batch["audio_src"].numel())
+        # the targets and audio embeddings that are not padding (glmasr.pad_indices): host tensors
+        targets = int((batch["labels"] >= 0).sum())
+        projected = int((batch["audio_dst"] < bsz * length).sum())
+        return self(rows, frames, bsz, length, targets, projected)
 
 
 class VoxCpmFlops:
