@@ -18,7 +18,8 @@ string by value, lists of strings by length only):
    unit pre-scale, the weight (0 for a replayed stand-in of an empty batch) and fp16's loss scale
    are device tensors the graph reads, so they may change between replays.
 
-A key whose capture fails (a host sync in the forward, say ``.item()`` or a data-dependent shape),
+A key whose capture fails (a host sync in the forward, say ``.item()`` or a data-dependent shape,
+or no memory left for its activations in the graphs' pool),
 whose capture would make a gradient that did not exist, or whose host unit count differs between
 its warm-up and its capture, runs eagerly from then on, with one warning. So do keys beyond
 ``compile.cuda_graph_max`` (a run of ever-new shapes), and batches holding objects this module does
@@ -34,7 +35,8 @@ must be a tensor (a count the shapes fix, such as ``labels.numel()``, may be a n
 Costs: gradients stay allocated through the forward (2-4 B per trainable parameter during the
 forward that eager frees after the update); the graphs' pool holds about one micro-batch's
 activations of the largest captured shape beside the eager pool (``torch.cuda.memory_reserved``
-counts it, ``max_memory_allocated`` does not); each new key costs its warm-up plus one capture.
+counts it, ``max_memory_allocated`` does not; each capture first empties eager's cache into the driver
+so that the pool can grow); each new key costs its warm-up plus one capture.
 A trainable parameter with a gradient stays with one (zeros in a step that does not use it, which
 AdamW's momentum and decay then move), where eager leaves it untouched.
 
@@ -212,6 +214,8 @@ class GraphedSteps:
         self.weight_t.fill_(weight)
         had = {id(p): (p.grad.data_ptr() if p.grad is not None else None) for p in self.params}
         graph = torch.cuda.CUDAGraph() if self.backend == "cuda" else None
+        if graph is not None:
+            torch.cuda.empty_cache()  # eager's free cached blocks back to the driver: the graphs' pool cannot use them
         try:
             if graph is not None:
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
@@ -223,7 +227,11 @@ class GraphedSteps:
             raise
         except Exception as e:  # nothing ran: the gradients hold what they held before the capture
             self._forget_new_grads(had)
-            self._give_up(key, f"its capture failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+            hint = ""
+            if isinstance(e, torch.OutOfMemoryError):
+                hint = (" (the graphs' pool holds a micro-batch's activations beside eager's: fewer such shapes "
+                        "fit; a smaller batch, or compile.cuda_graphs=false)")
+            self._give_up(key, f"its capture failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}){hint}"
                                f"{batch_ids(batch)}")
             return None
         moved = sum((p.grad.data_ptr() if p.grad is not None else None) != had[id(p)] for p in self.params)
