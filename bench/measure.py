@@ -293,10 +293,11 @@ class TimedSteps(TimedLoss):
 
 def graph_counts(trainer) -> dict:
     """``compile.cuda_graphs``' counts over the whole run (warm-up included): keys captured,
-    micro-batches that replayed one, micro-batches in all; {} when it is off."""
+    micro-batches that replayed one, micro-batches in all, keys left eager and why; {} when it is off."""
     g = getattr(trainer, "graphs", None)
     return {} if g is None else {"cuda_graphs": len(g.graphs), "cuda_graph_replays": g.replayed,
-                                 "cuda_graph_batches": g.total, "cuda_graph_eager_keys": len(g.eager_only)}
+                                 "cuda_graph_batches": g.total, "cuda_graph_eager_keys": len(g.eager_only),
+                                 "cuda_graph_eager_why": sorted(set(g.reasons))[:8]}
 
 
 def append_row(path: str, row: dict) -> None:

@@ -139,6 +139,7 @@ class GraphedSteps:
         self.seen: dict[tuple, int] = {}  # key -> eager micro-batches so far
         self.host_units: dict[tuple, float] = {}  # key -> the host unit count its warm-up returned
         self.eager_only: set = set()
+        self.reasons: list[str] = []  # why each key in eager_only runs eagerly (the warnings' text)
         cuda = self.backend == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if cuda else None  # one pool: graphs run one at a time
         self.stream = torch.cuda.Stream(device) if cuda else None  # capture needs a stream of its own
@@ -194,6 +195,7 @@ class GraphedSteps:
 
     def _give_up(self, key: tuple, why: str) -> None:
         self.eager_only.add(key)
+        self.reasons.append(why)
         self.say(f"WARNING: compile.cuda_graphs: a batch shape runs eagerly: {why}")
 
     def _forward_backward(self, static: Any, where: str, backward: bool = True) -> tuple:

@@ -149,3 +149,4 @@ def test_capture_failure_leaves_no_gradient_behind():
     assert steps._capture(("k",), {"x": torch.zeros(1)}, "here", 1.0, 1.0) is None
     assert all(p.grad is None for p in model.parameters()) and ("k",) in steps.eager_only
     assert "its capture failed (ValueError: host sync)" in said[0]
+    assert steps.reasons == [said[0].split("runs eagerly: ", 1)[1]]  # kept for the bench rows
