@@ -372,3 +372,23 @@ def test_cuda_graphs_replay_padded_batches_with_the_eager_losses(assets, tmp_pat
     graphs = trainer.graphs  # one shape (4 s of frames, 64 positions): one graph, all but the first replay it
     assert len(graphs.graphs) == 1 and graphs.replayed == graphs.total - 1 == 5 and not graphs.eager_only
     assert read_losses(tmp_path / "graphs") == pytest.approx(read_losses(tmp_path / "eager"), rel=1e-6)
+
+
+def test_training_forward_prepares_no_hf_mask(assets, tmp_path, monkeypatch):
+    # HF's mask preparation (create_causal_mask) checks position_ids for packed sequences with a
+    # device-to-host copy on every call: a sync per step, and a capture compile.cuda_graphs cannot make
+    import transformers.masking_utils as masking
+
+    _, model, objective, train, _, _ = built(assets, tmp_path)
+    batch = first_batch(train)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the training forward called create_causal_mask")
+
+    import transformers.models.llama.modeling_llama as llama
+
+    monkeypatch.setattr(masking, "create_causal_mask", refused)
+    monkeypatch.setattr(llama, "create_causal_mask", refused)  # the name the Llama decoder imported
+    loss, units = objective(model, batch)
+    loss.backward()
+    assert int(units) > 0 and torch.isfinite(loss)

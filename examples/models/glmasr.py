@@ -12,7 +12,8 @@ this wrapper avoids, with the same modules and weights:
   flat positions that audio embeddings go to and come from (``audio_dst``/``audio_src``) and
   the positions that predict a target (``pred_index``); the step has no data-dependent shapes.
 * a padding mask: batches are *right*-padded, so with causal attention no real position ever
-  sees a pad; the decoder runs plain causal attention (``attention_mask=None``).
+  sees a pad; the decoder runs plain causal attention (``attention_mask=None``), its layers called
+  here (:meth:`GlmAsrForTraining.decode`: HF's mask preparation syncs with the host).
 
 ``tests/test_example_glmasr.py`` checks that the logits equal the HF forward's at the target
 positions, and that :meth:`GlmAsrForTraining.transcribe` (HF ``generate``) gives the same tokens
@@ -120,8 +121,20 @@ class GlmAsrForTraining(nn.Module):
         audio = self.audio_embeddings(features, audio_src)
         scratch = embeds.new_zeros(1, embeds.shape[1])  # where padded entries of audio_dst go
         embeds = torch.cat([embeds, scratch]).index_copy(0, audio_dst, audio.to(embeds.dtype))[:-1].view(b, length, -1)
-        hidden = lm(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        hidden = self.decode(embeds)
         return self.hf.lm_head(hidden.flatten(0, 1).index_select(0, pred_index))
+
+    def decode(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder stack on (B, L, d) embeddings, causal, no cache: the HF ``LlamaModel.forward``
+        loop without its mask preparation, whose check for packed sequences (``position_ids`` with
+        no ``attention_mask``) copies a flag to the host on every call (a sync, and no CUDA graph)."""
+        lm = self.hf.model.language_model
+        positions = torch.arange(embeds.shape[1], device=embeds.device)[None]
+        rotary = lm.rotary_emb(embeds, position_ids=positions)
+        hidden = embeds
+        for layer in lm.layers[:lm.config.num_hidden_layers]:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        return lm.norm(hidden)
 
     @torch.no_grad()
     def transcribe(self, batch: dict, features: torch.Tensor, max_new_tokens: int, eos_token_ids: Sequence[int],
