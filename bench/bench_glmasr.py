@@ -142,16 +142,16 @@ class StatsCollate:
         ids = b["input_ids"]
         bsz, length = ids.shape
         feats = b["features"]
-        real = b["labels"] >= 0  # padded targets (glmasr.pad_indices) count no FLOPs
-        logits = bsz * length if self.hf else int(real.sum())
-        projected = feats.shape[0] * (feats.shape[1] // 8) if self.hf else int((b["audio_dst"] < bsz * length).sum())
+        # the HF forward computes logits everywhere and projects every frame; ours only the real ones
+        flops = self.flops(feats.shape[0], feats.shape[1], bsz, length, bsz * length,
+                           feats.shape[0] * (feats.shape[1] // 8)) if self.hf else self.flops.of_batch(b)
         stats = {"n": bsz, "audio_s": float(sum(e["audio"].numel() for e in examples)) / SR,
-                 "rows": feats.shape[0], "frames": feats.shape[1], "length": length,
-                 "flops": self.flops(feats.shape[0], feats.shape[1], bsz, length, logits, projected)}
+                 "rows": feats.shape[0], "frames": feats.shape[1], "length": length, "flops": flops}
         if not self.hf:
             b["stats"] = stats
             return b
         labels = torch.full_like(ids, -100).flatten()
+        real = b["labels"] >= 0  # not a padded target (glmasr.pad_indices)
         labels[b["pred_index"][real] + 1] = b["labels"][real]
         ends = (b["pred_index"][real] // length).bincount(minlength=bsz) + b["prompt_lens"]
         attn = (torch.arange(length)[None, :] < ends[:, None]).long()
