@@ -31,7 +31,8 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   static shapes until one changes), configs/glmasr.yaml's set-up; ``..._cut``: encoder windows cut
   to the batch (``glmasr.encoder_length=batch``; the compiled one over a single bucket so every
   batch holds 16); ``ddptrain_best``: bf16 + compiled with ``compile.dynamic=true`` from the
-  start; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
+  start; ``..._cg`` (``ddptrain_bf16_compile_cg``, ``..._cut_cg``): + ``compile.cuda_graphs=true``,
+  one CUDA graph per batch shape; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
 * ``ddptrain_offload``: bf16 weights, layers compiled and recomputed, ``optim.offload=cpu`` (the
   masters and AdamW on the host); ``ddptrain_offload_eager`` without the compile.
 * ``--gpu-memory-gb G``: every peer capped at G GiB (ddptrain's ``trainer.gpu_memory_gb``, the
@@ -116,6 +117,7 @@ OVERRIDES.update({
     "ddptrain_bf16_compile_cut_dyn": BF16 + COMPILE + CUT_ONE_BUCKET + ["compile.dynamic=true"],
 })
 OVERRIDES["ddptrain_bf16_compile_cut_cg"] = OVERRIDES["ddptrain_bf16_compile_cut"] + ["compile.cuda_graphs=true"]
+OVERRIDES["ddptrain_bf16_compile_cg"] = OVERRIDES["ddptrain_bf16_compile"] + ["compile.cuda_graphs=true"]  # 30 s windows
 OVERRIDES["ddptrain_cut"] = ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_cut"] = OVERRIDES["ddptrain_best"] + ["glmasr.encoder_length=batch"]
 OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
