@@ -25,8 +25,8 @@ import torch
 
 import ddptrain
 from ddptrain.optim import param_groups
-from measure import (GcPauses, ReplayLoader, TimedLoader, TimedLoss, mem_now, mem_peak, mem_reset, summarize, sync,
-                     to_device, world)
+from measure import (GcPauses, ReplayLoader, TimedLoader, TimedLoss, TimedSteps, graph_counts, mem_now, mem_peak,
+                     mem_reset, summarize, sync, to_device, world)
 from profiling import diagnose
 from workloads import SR, StatsCollate, build, fhm, hf_cfg, make_loader
 
@@ -52,9 +52,13 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
     loader = ReplayLoader(raw, exp["replay"]) if exp.get("replay") else TimedLoader(raw)
     # a diagnostic steps again over the last timed batches (their shapes compiled already)
     diag = exp.get("profile") or exp.get("syncs") or exp.get("gaps")
-    timed = TimedLoss(loss_fn, keep=exp.get("profile_steps", 3) + 1 if diag else 0)
+    keep = exp.get("profile_steps", 3) + 1 if diag else 0
+    # a replayed CUDA graph runs no loss_fn: time the Trainer's steps instead of the loss calls
+    timed = TimedSteps(keep=keep) if cfg.compile.cuda_graphs else TimedLoss(loss_fn, keep=keep)
     mem_reset()
-    trainer = ddptrain.Trainer(model, timed, cfg, loader)
+    trainer = ddptrain.Trainer(model, loss_fn if cfg.compile.cuda_graphs else timed, cfg, loader)
+    if cfg.compile.cuda_graphs:
+        timed.attach(trainer)
     if exp.get("nocomm") and ws > 1:
         ddp = getattr(trainer.model, "_orig_mod", trainer.model)  # under a whole-model compile
         ddp.register_comm_hook(state=None, hook=_no_allreduce)
@@ -75,7 +79,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
              "estimate_gb": {k: round(v / 1e9, 3) for k, v in est.items() if not k.startswith("num_")},
              "num_params": est["num_params"], "num_trainable": est["num_trainable"],
              "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0]),
-             **timed.sensors.summary(W, W + N)}
+             **timed.sensors.summary(W, W + N), **graph_counts(trainer)}
     extra.update(diagnose(exp, lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent))))
     rec = summarize(exp, workload, ws, elapsed, stats, waits, steps,
                     {"peak_alloc_gb": peak["peak_alloc_gb"], "peak_reserved_gb": peak["peak_reserved_gb"]}, extra)
