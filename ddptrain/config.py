@@ -508,6 +508,7 @@ RULES: dict[str, Rule] = {
     "data.prefetch_factor": at_least(1),
     "data.persistent_workers": ANY,
     "data.pad_to_multiple": at_least(1),
+    "data.token_pad_multiple": at_least(1),
     "data.loader_timeout_s": at_least(0),
     "data.bad_data": one_of("error", "skip"),
     "data.validate": ANY,

@@ -44,11 +44,15 @@ Speed: BENCHMARKS.md section (a) has the measured numbers (bf16 with
 whole-model compile fails in inductor on wav2vec2's SpecAugment (masked ``index_put``): compile
 its blocks (``compile.module_classes``) instead. Flash attention instead of cuDNN's was 11-13%
 slower. Keep shapes few (``data.pad_to_multiple`` for audio, ``hf.token_pad_multiple`` for
-Whisper targets): each new shape builds cuDNN plans (and, compiled, may recompile) on the host.
+Whisper targets, both applied in the collate): each new shape builds cuDNN plans (and, compiled,
+may recompile) on the host, and is one more ``compile.cuda_graphs`` key. With
+``data.feature_device: gpu`` Whisper's audio is padded to the 30 s window, so its batches' shapes
+differ only by target length.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -80,7 +84,7 @@ class HFConfig:
     freeze_feature_encoder: bool = True  # wav2vec2: keep the CNN front end frozen (standard fine-tuning)
     vocab_size: int = 32  # wav2vec2 CTC head size for random init (real data: the tokenizer's size)
     batch_size: int = 8  # whisper: 30 s windows per batch and rank
-    token_pad_multiple: int = 16  # whisper: pad target length to a multiple of this (fewer distinct shapes)
+    token_pad_multiple: int = 16  # whisper: targets padded to a multiple of this in the collate (fewer shapes)
     language: str = "en"  # whisper on manifests: <|language|> token of the target prefix
     task: str = "transcribe"  # whisper on manifests: transcribe | translate
     generate_eval: bool = True  # whisper on manifests: eval WER/CER by greedy decoding (else the loss only)
@@ -323,7 +327,8 @@ def whisper_manifest_data(cfg, h: HFConfig):
     targets = WhisperTargets(AutoTokenizer.from_pretrained(h.path, local_files_only=True), h.language, h.task)
     # a decoder has no CTC length limit; the encoder takes one 30 s window per utterance
     data = replace(cfg.data, output_frame_rate=0.0, max_utterance_duration=min(
-        30.0, cfg.data.max_utterance_duration or 30.0))
+        30.0, cfg.data.max_utterance_duration or 30.0),
+        token_pad_multiple=math.lcm(cfg.data.token_pad_multiple, h.token_pad_multiple))
     train = build_dataloader(data.train_manifest, data, targets, train=True)
     evals = build_dataloader(data.eval_manifest, data, targets, train=False) if data.eval_manifest else None
     return train, evals, targets
@@ -370,7 +375,8 @@ def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, mo
     wrap = collate_wrapper or (lambda c: c)
     if h.model == "wav2vec2":
         sampler = DurationBucketSampler.from_config(speech.durations, data_cfg, True, world_size=world_size, rank=rank)
-        collate = SpeechCollator(mode="audio", pad_to_multiple=data_cfg.pad_to_multiple)
+        collate = SpeechCollator(mode="audio", pad_to_multiple=data_cfg.pad_to_multiple,
+                                 token_pad_multiple=data_cfg.token_pad_multiple)
         return make_loader(speech, sampler, wrap(collate), data_cfg)
     # The sampler's "durations" are transcript lengths here (what differs between windows), and
     # its budget is batch_size x the longest transcript: every batch holds hf.batch_size windows
@@ -380,7 +386,8 @@ def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, mo
                                                 max_duration=h.batch_size * lengths.max(), max_batch_size=h.batch_size,
                                                 quadratic_duration=0.0)  # lengths in tokens: no seconds budget
     collate = SpeechCollator(mode="features", num_mel_bins=speech.num_mel_bins, pad_to_multiple=1,
-                             token_pad_id=WHISPER_EOS)
+                             token_pad_id=WHISPER_EOS,
+                             token_pad_multiple=math.lcm(data_cfg.token_pad_multiple, h.token_pad_multiple))
     return make_loader(speech, sampler, wrap(collate), data_cfg)
 
 

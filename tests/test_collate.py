@@ -55,6 +55,20 @@ def test_collator_pads_to_a_multiple_of_8_with_lengths_masks_and_tokens():
     assert empty["features"].shape == (0, 0, 4) and empty["tokens"].shape == (0, 0) and empty["ids"] == []
 
 
+def test_collator_pads_tokens_to_a_multiple_and_audio_to_a_fixed_length():
+    """token_pad_multiple rounds the token width up (lengths stay true); audio_length pads every
+    batch's audio to one width, so batch shapes differ by fewer dimensions (CUDA graph keys)."""
+    ex = [{"id": "a", "text": "ab", "tokens": torch.tensor([1, 2]), "audio": torch.ones(5)},
+          {"id": "c", "text": "abc", "tokens": torch.tensor([1, 2, 3]), "audio": torch.ones(9)}]
+    b = SpeechCollator("audio", token_pad_multiple=4, token_pad_id=7, audio_length=20)(ex)
+    assert b["tokens"].tolist() == [[1, 2, 7, 7], [1, 2, 3, 7]] and b["token_lens"].tolist() == [2, 3]
+    assert b["audio"].shape == (2, 20) and b["audio_lens"].tolist() == [5, 9] and b["audio"][1, 9:].abs().sum() == 0
+    assert SpeechCollator("audio", token_pad_multiple=3)(ex)["tokens"].shape == (2, 3)  # already a multiple
+    assert SpeechCollator("audio", audio_length=20)([])["audio"].shape == (0, 20)
+    with pytest.raises(ValueError, match="utterance 'c': 9 samples, longer than the 8"):
+        SpeechCollator("audio", audio_length=8)(ex)
+
+
 @pytest.mark.timeout(120)
 def test_loader_with_workers_covers_the_epoch_once_with_typed_batches(corpus, tok):
     loader = build_dataloader(corpus, cfg(num_workers=2, persistent_workers=True), tok, train=True)

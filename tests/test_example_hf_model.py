@@ -123,6 +123,34 @@ def test_whisper_eval_features_are_not_spec_augmented_with_gpu_features(tmp_path
     assert not torch.equal(loss_g.features(model.train(), bg), loss_g.features(model.eval(), bg))
 
 
+def test_whisper_batches_differ_only_by_their_padded_target_length(tmp_path):
+    """Whisper on manifests: the collate pads targets to hf.token_pad_multiple and, with GPU
+    features, audio to the 30 s window, so a run's batch shapes (its compile.cuda_graphs keys)
+    are one per padded target length and batch size, whatever the clips' durations."""
+    from ddptrain.cuda_graphs import batch_key
+
+    durations = [0.6, 1.9, 1.1, 2.6, 0.8, 1.5, 2.2, 1.3]
+    manifest = write_synthetic_corpus(str(tmp_path / "data"), durations, seed=5)
+    folder = whisper_folder(tmp_path / "model", [json.loads(line)["text"] for line in open(manifest)])
+    train, _, _ = _whisper_data(tmp_path, manifest, folder, "data.feature_device=gpu", "hf.token_pad_multiple=8",
+                                "data.token_pad_multiple=2")
+    batches = list(train)
+    assert sum(len(b["ids"]) for b in batches) == len(durations)
+    assert {b["audio"].shape[1] for b in batches} == {30 * 16000}
+    assert all(b["tokens"].shape[1] % 8 == 0 and b["tokens"].shape[1] - 8 < b["token_lens"].max() for b in batches)
+    keys = {batch_key({k: v for k, v in b.items() if k not in ("ids", "texts")}) for b in batches}
+    assert len(keys) == len({tuple(b["tokens"].shape) for b in batches}) < len({int(b["audio_lens"].max())
+                                                                               for b in batches})
+    model = WhisperForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
+    with torch.no_grad():  # the collate's padding is the loss's: same loss and unit count
+        b = batches[0]
+        loss, n = fhm.Seq2SeqLoss(model.config, 8, train.feature_extractor)(model, b)
+        cut = dict(b, tokens=b["tokens"][:, :int(b["token_lens"].max())])
+        ref, n_ref = fhm.Seq2SeqLoss(model.config, 1, train.feature_extractor)(model, cut)
+    assert int(n) == int(n_ref) == int(b["token_lens"].sum())
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+
+
 def test_wav2vec2_on_raw_audio_masks_only_in_training_and_refuses_spec_augment(tmp_path):
     """wav2vec2 takes raw audio (no extractor, with feature_device=gpu too) and masks its own
     inputs while training (mask_time_prob); data.spec_augment, which would do nothing, is refused."""

@@ -56,6 +56,7 @@ class DataConfig:
     prefetch_factor: int = 4  # batches prefetched per worker
     persistent_workers: bool = True  # keep workers alive between epochs
     pad_to_multiple: int = 8  # pad time to a multiple of this (tensor cores)
+    token_pad_multiple: int = 1  # pad target tokens to a multiple of this (fewer shapes: compile.cuda_graphs keys)
     loader_timeout_s: float = 300.0  # a batch that takes longer than this is an error, not a hang; 0 = none
     # --- validation
     bad_data: str = "error"  # error: list every bad line, stop; skip: drop them, report the count

@@ -41,7 +41,7 @@ from ddptrain.data.collate import SpeechCollator
 from ddptrain.data.config import DataConfig
 from ddptrain.data.dataset import SpeechDataset
 from ddptrain.data.errors import DataError
-from ddptrain.data.features import BatchFeatureExtractor
+from ddptrain.data.features import WHISPER_WINDOW_S, BatchFeatureExtractor
 from ddptrain.data.manifest import ManifestEntry
 from ddptrain.data.mix import SourceCollator, Sources, load_sources, uses_sources
 from ddptrain.data.sampler import DurationBucketSampler, budget_lengths, sampler_settings
@@ -124,6 +124,10 @@ def build_dataloader(
         num_mel_bins=cfg.num_mel_bins,
         pad_to_multiple=cfg.pad_to_multiple,
         with_tokens=tokenizer is not None,
+        token_pad_multiple=cfg.token_pad_multiple,
+        # Whisper's features are the whole window whatever the audio's length: padding the audio to
+        # it gives every batch of B one audio shape (one CUDA graph key per target length)
+        audio_length=WHISPER_WINDOW_S * cfg.sample_rate if cfg.features == "whisper_logmel" else 0,
     )
     loader = make_loader(dataset, sampler, collate, cfg, train)
     loader.validation_report = report
