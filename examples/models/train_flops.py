@@ -142,7 +142,7 @@ class GlmAsrFlops:
         else:
             rows, frames = batch["audio"].shape[0], int(batch["num_frames"])
         # the targets and audio embeddings that are not padding (glmasr.pad_indices): host tensors
-        targets = int((batch["labels"] >= 0).sum())
+        targets = int((batch["labels"] != -100).sum())  # -100: finetune_glmasr.IGNORE_INDEX, as its objective counts
         projected = int((batch["audio_dst"] < bsz * length).sum())
         return self(rows, frames, bsz, length, targets, projected)
 
