@@ -315,6 +315,12 @@ class WhisperGreedy:
         return {"wer": metrics.word_errors(refs, hyps), "cer": metrics.char_errors(refs, hyps)}
 
 
+def whisper_token_multiple(data_cfg, h: HFConfig) -> int:
+    """What the collate pads Whisper targets to a multiple of: both keys' (the lcm), so the loss's
+    own ``hf.token_pad_multiple`` padding finds nothing left to do."""
+    return math.lcm(data_cfg.token_pad_multiple, h.token_pad_multiple)
+
+
 def whisper_manifest_data(cfg, h: HFConfig):
     """(train loader, eval loader or None, WhisperTargets) for Whisper on manifests (the data
     settings Whisper needs are :class:`FinetuneConfig`'s rules, checked at load)."""
@@ -328,7 +334,7 @@ def whisper_manifest_data(cfg, h: HFConfig):
     # a decoder has no CTC length limit; the encoder takes one 30 s window per utterance
     data = replace(cfg.data, output_frame_rate=0.0, max_utterance_duration=min(
         30.0, cfg.data.max_utterance_duration or 30.0),
-        token_pad_multiple=math.lcm(cfg.data.token_pad_multiple, h.token_pad_multiple))
+        token_pad_multiple=whisper_token_multiple(cfg.data, h))
     train = build_dataloader(data.train_manifest, data, targets, train=True)
     evals = build_dataloader(data.eval_manifest, data, targets, train=False) if data.eval_manifest else None
     return train, evals, targets
@@ -387,7 +393,7 @@ def build_synthetic_loader(h: HFConfig, data_cfg, world_size: int, rank: int, mo
                                                 quadratic_duration=0.0)  # lengths in tokens: no seconds budget
     collate = SpeechCollator(mode="features", num_mel_bins=speech.num_mel_bins, pad_to_multiple=1,
                              token_pad_id=WHISPER_EOS,
-                             token_pad_multiple=math.lcm(data_cfg.token_pad_multiple, h.token_pad_multiple))
+                             token_pad_multiple=whisper_token_multiple(data_cfg, h))
     return make_loader(speech, sampler, wrap(collate), data_cfg)
 
 

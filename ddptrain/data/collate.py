@@ -84,11 +84,11 @@ class SpeechCollator:
             batch["features"], batch["feature_lens"] = x, lens
             batch["padding_mask"] = lengths_to_padding_mask(lens, x.shape[1])
         else:
-            for e in good if self.audio_length else ():
-                if e["audio"].shape[0] > self.audio_length:
-                    raise ValueError(f"utterance {e['id']!r}: {e['audio'].shape[0]} samples, longer than the "
-                                     f"{self.audio_length} the collator pads audio to (a model's fixed window: split longer "
-                                     "clips; data.speed_perturb factors below 1 lengthen them)")
+            e = max(good, key=lambda x: x["audio"].shape[0], default=None)
+            if self.audio_length and e is not None and e["audio"].shape[0] > self.audio_length:
+                raise ValueError(f"utterance {e['id']!r}: {e['audio'].shape[0]} samples, longer than the "
+                                 f"{self.audio_length} the collator pads audio to (a model's fixed window: split "
+                                 "longer clips; data.speed_perturb factors below 1 lengthen them)")
             batch["audio"], batch["audio_lens"] = self._pad([e["audio"] for e in good], (), torch.float32,
                                                             self.audio_length)
         if self.with_tokens:
