@@ -21,6 +21,7 @@ from ddptrain import dist, offload
 from ddptrain.activation_offload import apply_offload
 from ddptrain.compile import EagerFallbacks, apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError
+from ddptrain.fused_update import FusedMasterAdamW
 from ddptrain.lora import apply_lora
 from ddptrain.optim import build_optimizer
 from ddptrain.precision import MasterWeights, Precision
@@ -123,7 +124,9 @@ def prepare_step(prepared: PreparedModel, loss_fn: Callable, cfg: Config, info: 
     precision = Precision(t.precision, device, t.fp16_init_scale)
     # the tensors whose gradients backward fills (the model's; with masters they are bf16)
     params = [p for p in prepared.module.parameters() if p.requires_grad]
+    fused = FusedMasterAdamW(optimizer, prepared.master) if cfg.optim.fused_update else None
     update = StepUpdate(optimizer, precision, prepared.master, params, info.world_size, t.clip_grad_norm, device,
-                        sharded_grads=shard_grads(cfg, info.world_size), keep_grads=cfg.compile.cuda_graphs)
+                        sharded_grads=shard_grads(cfg, info.world_size), keep_grads=cfg.compile.cuda_graphs,
+                        fused=fused)
     solo = prepared.module if info.distributed else prepared.model  # one rank: the compiled model, if any
     return OneStep(solo, loss_fn, optimizer, precision, update, device)

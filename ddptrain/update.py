@@ -32,14 +32,16 @@ class StepUpdate:
             (``optim.shard_grads``): the global norm is the root of the ranks' summed squares.
         keep_grads: zero the model's gradients in place instead of freeing them
             (``compile.cuda_graphs``: a captured backward accumulates into those very tensors).
+        fused: the :class:`ddptrain.fused_update.FusedMasterAdamW` of ``optim.fused_update``, which
+            then steps in place of ``optimizer``, on the device (skipped there if not finite).
     """
 
     def __init__(self, optimizer, precision: Precision, master: Optional[MasterWeights], params: list,
                  world_size: int, clip: float, device: torch.device, sharded_grads: bool = False,
-                 keep_grads: bool = False):
+                 keep_grads: bool = False, fused=None):
         self.optimizer, self.precision, self.master, self.params = optimizer, precision, master, params
         self.world_size, self.clip, self.device = world_size, clip, device
-        self.sharded_grads, self.keep_grads = sharded_grads, keep_grads
+        self.sharded_grads, self.keep_grads, self.fused = sharded_grads, keep_grads, fused
         self._owned = ({id(p) for g in optimizer.optim.param_groups for p in g["params"]}
                        if is_zero(optimizer) else None)  # the masters this rank updates
         # A fused optimizer can skip a non-finite step on the device: the step is then queued
@@ -102,6 +104,11 @@ class StepUpdate:
             stepped = finite > 0
             if stepped:
                 self.master.step(self.optimizer, factor)
+        elif self.fused is not None:
+            # reads the model's bf16 gradients x factor and writes masters, moments and bf16 weights
+            self.fused.step(factor, (~finite_t).float())
+            loss, units, stop, norm, finite, negative, _ = report.tolist()
+            stepped = finite > 0
         elif self.on_device:
             # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
             # finite), so no separate multiply runs over the gradients
