@@ -16,8 +16,8 @@ between steps, and a resume may replace the state tensors. The optimizer's own s
 kernel updates (``exp_avg``, ``exp_avg_sq``, ``step``, as torch's fused AdamW keeps them), so
 checkpoints, exact resume and ``optim.fused_update=false`` read the same state.
 
-Tensors the kernel does not take (fp32 parameters kept fp32, non-contiguous gradients, any tensor
-on the CPU) go through the unfused path, torch's ``_fused_adamw_`` on an fp32 gradient, inside the
+Tensors the kernel does not take (fp32 parameters kept fp32, non-contiguous or unaligned tensors,
+any tensor on the CPU) go through the unfused path, torch's ``_fused_adamw_`` on an fp32 gradient, inside the
 same call; so does everything on the CPU (the tests also run the kernel there, in Triton's
 interpreter).
 """
@@ -50,27 +50,43 @@ def _triton_kernel():
         n = tl.load(numels + t)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
+        # tensor addresses read from memory: the caller checked they are 16-byte aligned, and a
+        # full block needs no mask, so its loads and stores are vectorised
         grad = tl.load(ptrs + t).to(tl.pointer_type(tl.bfloat16))
         master = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
         exp_avg = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
         exp_avg_sq = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
         weight = tl.load(ptrs + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
-        step_ptr = tl.load(ptrs + 5 * n_tensors + t).to(tl.pointer_type(tl.float32))
-        step = tl.load(step_ptr)
-        g = tl.load(grad + offs, mask=mask).to(tl.float32) * tl.load(factor)
-        w = tl.load(master + offs, mask=mask)
-        m = tl.load(exp_avg + offs, mask=mask)
-        v = tl.load(exp_avg_sq + offs, mask=mask)
+        step = tl.load(tl.load(ptrs + 5 * n_tensors + t).to(tl.pointer_type(tl.float32)))
+        g_at = tl.multiple_of(grad + offs, 16)
+        w_at = tl.multiple_of(master + offs, 16)
+        m_at = tl.multiple_of(exp_avg + offs, 16)
+        v_at = tl.multiple_of(exp_avg_sq + offs, 16)
+        p_at = tl.multiple_of(weight + offs, 16)
+        full = start + BLOCK <= n
+        if full:
+            g, w = tl.load(g_at).to(tl.float32), tl.load(w_at)
+            m, v = tl.load(m_at), tl.load(v_at)
+        else:
+            g, w = tl.load(g_at, mask=mask, other=0.0).to(tl.float32), tl.load(w_at, mask=mask, other=0.0)
+            m, v = tl.load(m_at, mask=mask, other=0.0), tl.load(v_at, mask=mask, other=0.0)
+        g = g * tl.load(factor)
         w = w * (1.0 - lr * weight_decay)
         m = m + (1.0 - beta1) * (g - m)  # torch's lerp
         v = beta2 * v + (1.0 - beta2) * g * g
         bias1 = 1.0 - tl.exp2(step * tl.log2(beta1))
         bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
         w = w - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        tl.store(master + offs, w, mask=mask)
-        tl.store(exp_avg + offs, m, mask=mask)
-        tl.store(exp_avg_sq + offs, v, mask=mask)
-        tl.store(weight + offs, w.to(tl.bfloat16), mask=mask)
+        if full:
+            tl.store(w_at, w)
+            tl.store(m_at, m)
+            tl.store(v_at, v)
+            tl.store(p_at, w.to(tl.bfloat16))
+        else:
+            tl.store(w_at, w, mask=mask)
+            tl.store(m_at, m, mask=mask)
+            tl.store(v_at, v, mask=mask)
+            tl.store(p_at, w.to(tl.bfloat16), mask=mask)
 
     return adamw_masters
 
@@ -118,7 +134,8 @@ class FusedMasterAdamW:
                     continue
                 state = self._state(m)
                 if (p is not m and p.device.type in self.kernel_devices and p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
-                        and all(t.is_contiguous() for t in (p, p.grad, m, state["exp_avg"], state["exp_avg_sq"]))):
+                        and all(t.is_contiguous() and t.data_ptr() % 16 == 0
+                                for t in (p, p.grad, m, state["exp_avg"], state["exp_avg_sq"]))):
                     fused.append((p, m, state))
                 else:
                     other.append((p, m, state))
