@@ -4,7 +4,7 @@ writes the bf16 weights.
 Why: with ``trainer.param_dtype=bf16`` the unfused update makes three passes over every trainable
 parameter: the bf16 gradients are copied into fp32 master gradients, torch's fused AdamW updates
 the masters and their moments, and the masters are rounded into the bf16 weights. That is about
-42 bytes of memory traffic a parameter (plus a 4 B/param fp32 gradient buffer); one kernel doing
+40 bytes of memory traffic a parameter (plus a 4 B/param fp32 gradient buffer); one kernel doing
 all three needs 30 (read: bf16 gradient, master, two moments; write: those three and the bf16
 weight). On a kernel-bound step (a 1.5B-parameter Whisper, a 2B GLM-ASR with CUDA graphs) the
 update is 10-20% of the step.
