@@ -69,6 +69,16 @@ def test_fused_update_resumes_exactly_and_from_an_unfused_checkpoint(tmp_path):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_fused_update_with_cuda_graphs_keeps_the_kept_gradients(tmp_path):
+    # graphs (the CPU's rerun backend) keep the model's gradients between steps: the update reads them
+    fused = _fit(tmp_path / "fused", "optim.fused_update=true")
+    graphed = _fit(tmp_path / "graphed", "optim.fused_update=true", "compile.cuda_graphs=true",
+                   "compile.cuda_graph_warmup=1")
+    assert graphed.graphs is not None and graphed.graphs.replayed > 0
+    for a, b in zip(_masters(graphed), _masters(fused)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_a_non_finite_step_changes_nothing():
     model = Weights()
     master = MasterWeights(model)

@@ -275,6 +275,7 @@ def _inf_worker(rank, world, out, variant):
     cfg = make_cfg(os.path.join(out, variant), "trainer.max_steps=5", f"trainer.precision={precision}",
                    f"optim.zero={zero}", f"optim.fused={fused}",
                    *(["trainer.param_dtype=bf16"] if "masters" in variant else []),
+                   f"optim.fused_update={'fused_update' in variant}",
                    "checkpoint.save_at_end=false", "scheduler.name=warmup_linear", "scheduler.warmup_steps=3",
                    "trainer.fp16_init_scale=256")  # no routine overflow: only the injected inf skips
     trainer = ddptrain.Trainer(model, InfOnStep({3}, rank), cfg, data)
@@ -293,7 +294,7 @@ def _inf_worker(rank, world, out, variant):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["fp32", "fp16", "fp16+zero", "fp32+fused", "fp32+fused+zero", "bf16+fused+masters",
-                                     "bf16+fused+masters+zero"])
+                                     "bf16+fused+masters+zero", "bf16+fused_update+masters"])
 def test_inf_on_one_rank_skips_step_on_all_ranks(tmp_path, variant):
     """GradScaler unscale/skip logic holds with plain and ZeRO-sharded optimizers; with a fused
     Adam (fp32/bf16) the skip is decided on the device (found_inf), with the same outcome: no
