@@ -17,9 +17,9 @@ kernel updates (``exp_avg``, ``exp_avg_sq``, ``step``, as torch's fused AdamW ke
 checkpoints, exact resume and ``optim.fused_update=false`` read the same state.
 
 Tensors the kernel does not take (fp32 parameters kept fp32, non-contiguous or unaligned tensors,
-any tensor on the CPU) go through the unfused path, torch's ``_fused_adamw_`` on an fp32 gradient, inside the
-same call; so does everything on the CPU (the tests also run the kernel there, in Triton's
-interpreter).
+any tensor on the CPU) go through the unfused path, torch's ``_fused_adamw_`` on an fp32
+gradient, inside the same call; so does everything on the CPU (the tests also run the kernel
+there, in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -133,9 +133,10 @@ class FusedMasterAdamW:
                 if p.grad is None:
                     continue
                 state = self._state(m)
-                if (p is not m and p.device.type in self.kernel_devices and p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
-                        and all(t.is_contiguous() and t.data_ptr() % 16 == 0
-                                for t in (p, p.grad, m, state["exp_avg"], state["exp_avg_sq"]))):
+                tensors = (p, p.grad, m, state["exp_avg"], state["exp_avg_sq"])
+                if (p is not m and p.device.type in self.kernel_devices
+                        and p.dtype == p.grad.dtype == torch.bfloat16
+                        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)):
                     fused.append((p, m, state))
                 else:
                     other.append((p, m, state))
@@ -167,6 +168,8 @@ class FusedMasterAdamW:
         device = fused[0][1].device
         numels = tuple(m.numel() for _, m, _ in fused)
         if numels not in self._blocks:
+            if len(self._blocks) >= 8:  # the set of tensors with gradients keeps changing: keep few tables
+                self._blocks.clear()
             per = [-(-n // _BLOCK) for n in numels]
             tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(per))
             start = torch.cat([torch.arange(k, dtype=torch.int64) * _BLOCK for k in per])
