@@ -324,20 +324,32 @@ def whisper_token_multiple(data_cfg, h: HFConfig) -> int:
 def whisper_manifest_data(cfg, h: HFConfig):
     """(train loader, eval loader or None, WhisperTargets) for Whisper on manifests (the data
     settings Whisper needs are :class:`FinetuneConfig`'s rules, checked at load)."""
-    from dataclasses import replace
-
     from transformers import AutoTokenizer
 
     from ddptrain.data import build_dataloader
 
     targets = WhisperTargets(AutoTokenizer.from_pretrained(h.path, local_files_only=True), h.language, h.task)
-    # a decoder has no CTC length limit; the encoder takes one 30 s window per utterance
-    data = replace(cfg.data, output_frame_rate=0.0, max_utterance_duration=min(
-        30.0, cfg.data.max_utterance_duration or 30.0),
-        token_pad_multiple=whisper_token_multiple(cfg.data, h))
-    train = build_dataloader(data.train_manifest, data, targets, train=True)
-    evals = build_dataloader(data.eval_manifest, data, targets, train=False) if data.eval_manifest else None
+    data = cfg.data
+    train = build_dataloader(data.train_manifest, whisper_data_config(data, h, True), targets, train=True)
+    evals = (build_dataloader(data.eval_manifest, whisper_data_config(data, h, False), targets, train=False)
+             if data.eval_manifest else None)
     return train, evals, targets
+
+
+def whisper_data_config(data_cfg, h: HFConfig, train: bool):
+    """``data_cfg`` as Whisper's loaders take it: no CTC length limit (a decoder has none), targets
+    padded to :func:`whisper_token_multiple`, and no utterance longer than the encoder's 30 s
+    window once speed perturbation (training only) has slowed it down: with ``speed_perturb``
+    down to 0.9 that is 27 s, rejected at load with its manifest line rather than mid-epoch."""
+    from dataclasses import replace
+
+    from ddptrain.data.sampler import speed_stretch
+
+    longest = 30.0 / max(1.0, speed_stretch(data_cfg, train))
+    if data_cfg.max_utterance_duration:
+        longest = min(longest, data_cfg.max_utterance_duration)
+    return replace(data_cfg, output_frame_rate=0.0, max_utterance_duration=longest,
+                   token_pad_multiple=whisper_token_multiple(data_cfg, h))
 
 
 def loss_for(model, token_pad_multiple: int = 1) -> object:

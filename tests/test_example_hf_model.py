@@ -151,6 +151,26 @@ def test_whisper_batches_differ_only_by_their_padded_target_length(tmp_path):
     torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
 
 
+def test_whisper_rejects_at_load_a_clip_that_speed_perturbation_would_push_past_the_window(tmp_path):
+    """A 28.5 s clip fits the 30 s window, but not at speed 0.9 (31.7 s): the training loader names
+    its manifest line at load (before, training stopped mid-epoch in the collate); evaluation,
+    never perturbed, keeps the 30 s limit."""
+    from ddptrain.data import DataError
+
+    manifest = write_synthetic_corpus(str(tmp_path / "data"), [1.0, 28.5, 1.2], seed=6)
+    folder = whisper_folder(tmp_path / "model", [json.loads(line)["text"] for line in open(manifest)])
+    cfg = _whisper_cfg(tmp_path, manifest, folder, "data.speed_perturb=[0.9,1.0,1.1]")
+    assert fhm.whisper_data_config(cfg.data, cfg.hf, True).max_utterance_duration == pytest.approx(27.0)
+    assert fhm.whisper_data_config(cfg.data, cfg.hf, False).max_utterance_duration == 30.0
+    capped = _whisper_cfg(tmp_path, manifest, folder, "data.speed_perturb=[1.0,1.1]", "data.max_utterance_duration=20")
+    assert fhm.whisper_data_config(capped.data, capped.hf, True).max_utterance_duration == 20.0
+    with pytest.raises(DataError, match=r"manifest.jsonl:2: too long: 28.50s > max_utterance_duration=27.0s"):
+        fhm.whisper_manifest_data(cfg, cfg.hf)
+    plain = _whisper_cfg(tmp_path, manifest, folder)
+    train, _, _ = fhm.whisper_manifest_data(plain, plain.hf)  # without perturbation the clip trains
+    assert sum(len(b["ids"]) for b in train) == 3
+
+
 def test_wav2vec2_on_raw_audio_masks_only_in_training_and_refuses_spec_augment(tmp_path):
     """wav2vec2 takes raw audio (no extractor, with feature_device=gpu too) and masks its own
     inputs while training (mask_time_prob); data.spec_augment, which would do nothing, is refused."""
