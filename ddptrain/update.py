@@ -47,7 +47,7 @@ class StepUpdate:
         # A fused optimizer can skip a non-finite step on the device: the step is then queued
         # before the host has read whether it was finite, and the GPU does not idle while the
         # host launches it. fp16 keeps GradScaler's skip, other optimizers decide on the host.
-        self.on_device = precision.mode != "fp16" and skips_on_device(optimizer)
+        self.on_device = fused is not None or (precision.mode != "fp16" and skips_on_device(optimizer))
         self.offloaded = getattr(master, "offloaded", False)  # ddptrain/offload.py steps on the host
 
     def before_backward(self, last: bool) -> None:
