@@ -45,28 +45,30 @@ def build(layers: int, width: int, fused: bool):
     return model, master, opt, update
 
 
-def run(args, fused: bool) -> dict:
-    model, master, opt, update = build(args.layers, args.width, fused)
+def update_once(master, opt, update) -> None:
+    """One update with a factor of 0.5 and no non-finite flag: fused if ``update``, else unfused."""
     factor = torch.tensor(0.5, dtype=torch.float64, device="cuda")
     found_inf = torch.zeros((), device="cuda")
+    if update is not None:
+        update.step(factor, found_inf)
+    else:
+        master.load_grads(None)
+        step_unless(opt, found_inf=found_inf, grad_scale=factor.reciprocal().float())
+        master.copy_to_model()
+        master.drop_master_grads()
 
-    def once():
-        if update is not None:
-            update.step(factor, found_inf)
-        else:
-            master.load_grads(None)
-            step_unless(opt, found_inf=found_inf, grad_scale=factor.reciprocal().float())
-            master.copy_to_model()
-            master.drop_master_grads()
+
+def run(args, fused: bool) -> dict:
+    model, master, opt, update = build(args.layers, args.width, fused)
 
     for _ in range(3):
-        once()
+        update_once(master, opt, update)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(args.iters):
-        once()
+        update_once(master, opt, update)
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / args.iters
@@ -94,15 +96,8 @@ def main():
         torch.cuda.empty_cache()
     # the two paths must agree: one more update from the same start, compared
     a, b = build(2, args.width, False), build(2, args.width, True)
-    for model, master, opt, update in (a, b):
-        factor = torch.tensor(0.5, dtype=torch.float64, device="cuda")
-        found_inf = torch.zeros((), device="cuda")
-        if update is None:
-            master.load_grads(None)
-            step_unless(opt, found_inf=found_inf, grad_scale=factor.reciprocal().float())
-            master.copy_to_model()
-        else:
-            update.step(factor, found_inf)
+    for _, master, opt, update in (a, b):
+        update_once(master, opt, update)
     diff = max((ma - mb).abs().max().item() for (_, ma), (_, mb) in zip(a[1].pairs, b[1].pairs))
     wdiff = max((pa.float() - pb.float()).abs().max().item() for (pa, _), (pb, _) in zip(a[1].pairs, b[1].pairs))
     print(f"CHECK max |master difference| {diff:.3e}, max |bf16 weight difference| {wdiff:.3e}")

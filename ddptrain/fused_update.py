@@ -113,7 +113,7 @@ class FusedMasterAdamW:
             if g.get("amsgrad") or g.get("maximize") or g.get("differentiable"):
                 raise ConfigError("optim.fused_update=true does not run AdamW's amsgrad, maximize or "
                                  "differentiable modes")
-        self.optimizer, self.master = optimizer, master
+        self.optimizer = optimizer
         self.model_of = {id(m): p for p, m in master.pairs}
         self._blocks: dict[tuple, tuple] = {}  # numels of a group's kernel tensors -> its program table
         self._kernel = None
