@@ -168,6 +168,7 @@ class Trainer:
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
             self.gc.start()
             self.logger.window.reset()  # the first logged rates count steps, not set-up
+            self.model.train()  # train_step repeats it only after an evaluation
             for micro in self.stream:  # until trainer.max_steps / max_epochs
                 out = self.train_step(micro)
                 self.gc.step(p.step)
@@ -197,7 +198,8 @@ class Trainer:
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this rank's micro-batches; collective with all ranks."""
         p = self.progress
-        self.model.train()
+        if not (self.model.training and self.module.training):
+            self.model.train()  # after an evaluation; a walk over every module costs ms a step
         sums = StepSums(self.device)
         for i, batch in enumerate(micro_batches):
             weight = 1.0

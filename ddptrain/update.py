@@ -6,7 +6,9 @@ micro-batches, and DDP averages the gradients over ranks. What the step needs is
 by the global norm, and applies the step unless the loss or the gradients were non-finite (or
 there were no units at all). Everything is decided from one small all-reduce per step, and read
 on the host once (``report.tolist()``): the preemption flag and the loss_fn's unit checks travel
-in the same collective.
+in the same collective. Where the step is skipped on the device, the report is read as soon as
+it exists (:class:`HostReport`), not after the optimizer's kernels: the host's work between two
+steps then runs while the GPU updates the weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,37 @@ import torch
 
 from ddptrain.optim import is_zero, skips_on_device, step_unless
 from ddptrain.precision import MasterWeights, Precision
+
+
+class HostReport:
+    """The step's report on its way to the host. On a GPU it is copied into pinned memory right
+    behind the kernels that computed it, and an event marks the copy: :meth:`read` waits for that
+    event, not for everything queued after it (the optimizer's kernels), so the host's
+    bookkeeping, the next batch and the next forward's launches overlap the update. On the CPU
+    there is nothing to overlap: :meth:`read` is ``tolist()``."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None
+        self.copied = torch.cuda.Event() if self.cuda else None
+
+    def send(self, report: torch.Tensor) -> None:
+        if not self.cuda:
+            self.pending = report
+            return
+        if self.buffer is None or self.buffer.shape != report.shape:
+            self.buffer = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
+        # the previous read waited for the previous copy: the buffer is free to write again
+        self.buffer.copy_(report, non_blocking=True)
+        self.copied.record()
+
+    def read(self) -> list:
+        if not self.cuda:
+            report, self.pending = self.pending, None
+            return report.tolist()
+        self.copied.synchronize()
+        return self.buffer.tolist()
 
 
 class StepUpdate:
@@ -49,6 +82,7 @@ class StepUpdate:
         # host launches it. fp16 keeps GradScaler's skip, other optimizers decide on the host.
         self.on_device = fused is not None or (precision.mode != "fp16" and skips_on_device(optimizer))
         self.offloaded = getattr(master, "offloaded", False)  # ddptrain/offload.py steps on the host
+        self.report = HostReport(device)
 
     def before_backward(self, last: bool) -> None:
         """Called before each micro-batch's backward: during the step's last one, an offloaded
@@ -104,19 +138,19 @@ class StepUpdate:
             stepped = finite > 0
             if stepped:
                 self.master.step(self.optimizer, factor)
-        elif self.fused is not None:
-            # reads the model's bf16 gradients x factor and writes masters, moments and bf16 weights
-            self.fused.step(factor, (~finite_t).float())
-            loss, units, stop, norm, finite, negative, _ = report.tolist()
-            stepped = finite > 0
         elif self.on_device:
-            # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
-            # finite), so no separate multiply runs over the gradients
-            self._scale_grads(grads, None)
-            step_unless(self.optimizer, found_inf=(~finite_t).float(), grad_scale=factor.reciprocal().float())
-            if self.master:
-                self.master.copy_to_model()  # after a skip the masters are unchanged: a no-op copy
-            loss, units, stop, norm, finite, negative, _ = report.tolist()
+            self.report.send(report)  # read once the step's kernels are queued behind it
+            if self.fused is not None:
+                # reads the model's bf16 gradients x factor and writes masters, moments and bf16 weights
+                self.fused.step(factor, (~finite_t).float())
+            else:
+                # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
+                # finite), so no separate multiply runs over the gradients
+                self._scale_grads(grads, None)
+                step_unless(self.optimizer, found_inf=(~finite_t).float(), grad_scale=factor.reciprocal().float())
+                if self.master:
+                    self.master.copy_to_model()  # after a skip the masters are unchanged: a no-op copy
+            loss, units, stop, norm, finite, negative, _ = self.report.read()
             stepped = finite > 0
         else:
             loss, units, stop, norm, finite, negative, factor = report.tolist()
