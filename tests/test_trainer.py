@@ -464,6 +464,24 @@ def test_host_unit_counts_are_not_copied_to_the_device_per_micro_batch(tmp_path)
     assert counts[0] == counts[1], f"host-made tensors per step grow with micro-batches: {counts}"
 
 
+def test_every_training_step_runs_in_train_mode_after_evaluations(tmp_path):
+    """train_step walks the modules to set train mode only after an evaluation left them in eval
+    mode: every training forward still sees dropout on, every evaluation forward sees it off."""
+    seen = []
+
+    def loss(model, batch):
+        seen.append(("train" if torch.is_grad_enabled() else "eval", weights.unwrap(model).net[3].training))
+        return frame_loss(model, batch)
+
+    torch.manual_seed(0)
+    data = [mb[0] for mb in micro_batches(6)]
+    model = FrameMLP(dropout=0.1).eval()  # fit puts it in train mode
+    cfg = make_cfg(tmp_path, "trainer.max_steps=6", "trainer.eval_every=2")
+    ddptrain.Trainer(model, loss, cfg, data, eval_data=data[:2]).fit()
+    assert [m for kind, m in seen if kind == "train"] == [True] * 6
+    assert [m for kind, m in seen if kind == "eval"] == [False] * 6  # 2 batches at steps 2, 4, 6
+
+
 class _Frames(torch.utils.data.Dataset):
     def __init__(self):
         self.batches = micro_batches(2)[0]
