@@ -24,15 +24,33 @@ from measure import sync
 ATEN_GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
 
 
+# ops that only move or cast data, in the names inductor gives its fused kernels
+_MOVES = {"to", "copy", "clone", "view", "unsafe", "t", "transpose", "permute", "expand", "slice", "cat",
+          "select", "squeeze", "unsqueeze", "reshape", "contiguous", "constant", "pad", "scatter"}
+
+
 def categorize(name: str) -> str:
-    """A kernel's category by its name (a CUDA kernel, or an aten op in CPU dry runs)."""
+    """A kernel's category by its name (a CUDA kernel, or an aten op in CPU dry runs).
+
+    Attention before GEMMs: cuDNN's attention kernels carry GEMM-like names (``sm90_``, ``wgmma``).
+    Inductor's kernels (``triton_poi_fused__to_copy_add_native_layer_norm_backward_5``) are named
+    by every op they fuse: one that casts as well as normalises is a norm, and it counts as a
+    cast only when every op in it moves or casts data.
+    """
     n = name.lower()
     if "nccl" in n:
         return "nccl"
-    if n in ATEN_GEMM or any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "splitk")):
-        return "gemm"
     if any(k in n for k in ("flash", "fmha", "attention", "sdpa")):
         return "attention"
+    if n in ATEN_GEMM or any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90_", "splitk")):
+        return "gemm"
+    if n.startswith("triton_") and "_fused_" in n:
+        ops = {w for w in n.split("_fused_", 1)[1].split("_") if w and not w.isdigit()}
+        if "norm" in ops:
+            return "norm"
+        if ops & {"softmax", "nll", "logsumexp", "cross", "entropy"}:
+            return "reduce/softmax/loss"
+        return "dtype/copy" if ops and ops <= _MOVES else "elementwise/other"
     if "conv" in n or "implicit" in n or "cudnn" in n or "winograd" in n:
         return "conv"
     if "adam" in n or "multi_tensor" in n or "foreach" in n:

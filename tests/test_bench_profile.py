@@ -29,6 +29,21 @@ from flops import PEAK_BF16  # noqa: E402
 from measure import TimedLoss  # noqa: E402
 
 
+@pytest.mark.parametrize("name, category", [
+    # seen in a Whisper-large-v3 profile (rows h100x1_2026-12-07_s17b_*)
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0", "attention"),
+    ("nvjet_sm90_tst_256x144_64x4_1x2_h_bz_coopA_bias_TNT", "gemm"),
+    ("triton_red_fused__to_copy_add_native_layer_norm_backward_view_8", "norm"),
+    ("triton_poi_fused_gelu_gelu_backward_view_2", "elementwise/other"),
+    ("triton_poi_fused__to_copy_view_3", "dtype/copy"),
+    ("triton_poi_fused_0", "elementwise/other"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda", "dtype/copy"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata", "optimizer/foreach"),
+])
+def test_kernel_categories_follow_what_a_kernel_does_not_a_word_in_its_name(name, category):
+    assert profiling.categorize(name) == category
+
+
 def test_union_of_kernel_intervals_and_the_idle_gaps_between_them():
     total, gaps = profiling._union_ns([(30, 40, 2), (0, 10, 0), (5, 20, 1)])
     assert total == 30  # [0, 20] and [30, 40]
