@@ -19,7 +19,6 @@ import os
 import re
 import statistics
 import subprocess
-import threading
 import time
 from typing import Callable, Optional
 
@@ -167,67 +166,42 @@ class GpuSensors:
     """This process's GPU as NVML reports it: SM clock, temperature, power, throttle reasons.
 
     Why: a hot or power-capped GPU clocking down looks just like a slower step (and like a
-    communication overhead when a cold 1-GPU run is compared with a warm 2-GPU one). Sampled by a
-    thread every ``period_s`` from the first :meth:`start`, not inside the step: four NVML queries
-    there delayed the next step's first kernel, a cost the HF Trainer's peers never paid. Off
-    when NVML is not there (CPU, or no pynvml).
+    communication overhead when a cold 1-GPU run is compared with a warm 2-GPU one). Sampled
+    once per step; off when NVML is not there (CPU, or no pynvml).
     """
 
-    def __init__(self, period_s: float = 0.2):
-        self.samples: list = []  # (host time, clock MHz, temperature C, power W, throttle mask)
+    def __init__(self):
+        self.samples: list = []
         self.ok = torch.cuda.is_available()
-        self.period_s, self._thread, self._stop = period_s, None, threading.Event()
 
-    def start(self) -> None:
-        """Begin sampling (idempotent: the timed loss calls it at every step)."""
-        if not self.ok or self._thread is not None:
-            return
-        device = torch.cuda.current_device()  # a new thread's current device would be GPU 0
-        self._thread = threading.Thread(target=self._run, args=(device,), daemon=True, name="gpu-sensors")
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def _run(self, device: int) -> None:
-        while self.ok and not self._stop.is_set():
-            self.sample(device)
-            self._stop.wait(self.period_s)
-
-    def sample(self, device: Optional[int] = None) -> None:
-        """One reading now (the thread's; a direct call measures what one costs)."""
+    def sample(self) -> None:
         if not self.ok:
             return
         try:
             mask = 0
-            try:  # private helper: the NVML handle of the device (honours CUDA_VISIBLE_DEVICES)
+            try:  # private helper: the NVML handle of the current device (honours CUDA_VISIBLE_DEVICES)
                 import pynvml
 
-                mask = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(torch.cuda._get_pynvml_handler(device))
+                mask = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(torch.cuda._get_pynvml_handler())
             except Exception:
                 pass
-            self.samples.append((time.perf_counter(), torch.cuda.clock_rate(device), torch.cuda.temperature(device),
-                                 torch.cuda.power_draw(device) / 1e3, mask))
+            self.samples.append((torch.cuda.clock_rate(), torch.cuda.temperature(), torch.cuda.power_draw() / 1e3, mask))
         except Exception as e:  # no NVML: say so once, then stop trying
             log(f"GPU sensors off: {type(e).__name__}: {e}")
             self.ok = False
 
-    def summary(self, t0: float, t1: float) -> dict:
-        """The readings taken between host times ``t0`` and ``t1`` (the timed steps); sampling stops."""
-        self.stop()
-        got = [x for x in self.samples if t0 <= x[0] <= t1]
+    def summary(self, i0: int, i1: int) -> dict:
+        got = [x for x in self.samples[i0:i1] if x]
         if not got:
             return {}
-        clocks = [c for _, c, _, _, _ in got]
+        clocks = [c for c, _, _, _ in got]
         mask = 0
         for *_, m in got:
             mask |= int(m)
         # this rank's GPU only (no collective here: a rank without NVML must not hang the others)
         return {"sm_clock_mhz": [min(clocks), round(sum(clocks) / len(clocks)), max(clocks)],
-                "gpu_temp_c": [got[0][2], got[-1][2]], "power_w_mean": round(sum(p for *_, p, _ in got) / len(got)),
-                "sensor_samples": len(got), "throttle_reasons_mask": hex(mask)}
+                "gpu_temp_c": [got[0][1], got[-1][1]], "power_w_mean": round(sum(p for _, _, p, _ in got) / len(got)),
+                "throttle_reasons_mask": hex(mask)}
 
 
 class Interleave:
@@ -266,7 +240,7 @@ class TimedLoss:
         if self.recent.maxlen:
             self.recent.append(dict(batch) if isinstance(batch, dict) else batch)
         self.calls.append((time.perf_counter(), self.stats(batch)))
-        self.sensors.start()
+        self.sensors.sample()
         return self.fn(model, batch)
 
     def window(self, w: int, n: int, end: Optional[float] = None) -> tuple[float, list, list]:
@@ -310,7 +284,7 @@ class TimedSteps(TimedLoss):
                 if len(seen) > 1 and all(isinstance(s.get(k), (int, float, torch.Tensor)) for s in seen):
                     merged[k] = sum(s[k] for s in seen)
             self.calls.append((t, merged))
-            self.sensors.start()
+            self.sensors.sample()
             return inner(batches)
 
         trainer.train_step = train_step

@@ -79,7 +79,7 @@ def run_ddptrain(workload, preset, exp, W, N, tmp) -> dict:
              "estimate_gb": {k: round(v / 1e9, 3) for k, v in est.items() if not k.startswith("num_")},
              "num_params": est["num_params"], "num_trainable": est["num_trainable"],
              "ddp_wrapped": trainer.info.distributed, **pauses.summary(calls[W][0], calls[W + N][0]),
-             **timed.sensors.summary(calls[W][0], calls[W + N][0]), **graph_counts(trainer)}
+             **timed.sensors.summary(W, W + N), **graph_counts(trainer)}
     extra.update(diagnose(exp, lambda b: trainer.train_step([b]), itertools.cycle(list(timed.recent))))
     rec = summarize(exp, workload, ws, elapsed, stats, waits, steps,
                     {"peak_alloc_gb": peak["peak_alloc_gb"], "peak_reserved_gb": peak["peak_reserved_gb"]}, extra)
