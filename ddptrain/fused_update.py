@@ -145,7 +145,9 @@ class FusedMasterAdamW:
         if not steps:
             return
         keep = 1.0 - found_inf.float()
-        torch._foreach_add_(steps, keep)  # a skipped step does not count, as in torch's fused AdamW
+        # a skipped step does not count, as in torch's fused AdamW; a list, not one 0-d device
+        # tensor: that overload reads the tensor on the host (a sync before the update, seen on a GPU)
+        torch._foreach_add_(steps, [keep] * len(steps))
         for group, fused, other in work:
             if fused:
                 self._launch(group, fused, factor.float(), found_inf.float())
