@@ -90,7 +90,7 @@ class OptimConfig:
     shard_grads: bool = False  # ZeRO-2: each rank keeps only its own partition's reduced gradients (2/N B/param instead of 2), replacing DDP; needs optim.zero and trainer.param_dtype=bf16; one rank: no change (ddptrain/sharded_grads.py)
     offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
     offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB (of bf16 gradients), so the copies overlap the host update
-    fused_update: bool = False  # AdamW on the fp32 masters of trainer.param_dtype=bf16 in one kernel per param group that reads the bf16 gradients and writes the bf16 weights (~30 B of traffic a parameter instead of ~40, no fp32 gradient buffer); same optimizer state; needs optim.name=adamw, optim.zero=false, optim.offload=none (ddptrain/fused_update.py)
+    fused_update: str = "auto"  # AdamW on the fp32 masters of trainer.param_dtype=bf16 in one kernel per param group that reads the bf16 gradients and writes the bf16 weights (~30 B of traffic a parameter instead of ~40, no fp32 gradient buffer); same optimizer state. auto: on a GPU with Triton wherever it applies (optim.name=adamw, optim.zero=false, optim.offload=none); true: required, refused elsewhere (ddptrain/fused_update.py)
 
 
 @dataclass
@@ -414,7 +414,7 @@ RULES: dict[str, Rule] = {
     "optim.shard_grads": ANY,
     "optim.offload": switch("none", "cpu"),
     "optim.offload_chunk_mb": above(0),
-    "optim.fused_update": ANY,
+    "optim.fused_update": one_of("auto", "true", "false"),
     "scheduler.name": one_of("constant", "warmup_cosine", "warmup_linear", "noam", "inverse_sqrt"),
     "scheduler.warmup_steps": at_least(0),
     "scheduler.min_lr_ratio": within(0, 1),
@@ -540,7 +540,7 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
     (("optim.offload", "trainer.param_dtype"), lambda offload, dtype: offload == "none" or dtype == "bf16",
      "optim.offload=cpu needs trainer.param_dtype=bf16 (a bf16 model on the GPU, fp32 masters on the host)"),
     (("optim.fused_update", "trainer.param_dtype", "optim.name", "optim.zero", "optim.offload"),
-     lambda fused, dtype, name, zero, offload: not fused or (dtype == "bf16" and name == "adamw" and not zero
+     lambda fused, dtype, name, zero, offload: fused != "true" or (dtype == "bf16" and name == "adamw" and not zero
                                                           and offload == "none"),
      "optim.fused_update=true updates the fp32 masters of trainer.param_dtype=bf16 with AdamW on the training "
      "device: it needs trainer.param_dtype=bf16, optim.name=adamw, optim.zero=false and optim.offload=none"),

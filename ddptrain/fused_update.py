@@ -20,12 +20,17 @@ Tensors the kernel does not take (fp32 parameters kept fp32, non-contiguous or u
 any tensor on the CPU) go through the unfused path, torch's ``_fused_adamw_`` on an fp32
 gradient, inside the same call; so does everything on the CPU (the tests also run the kernel
 there, in Triton's interpreter).
+
+``auto`` (the default) turns it on wherever it applies: a GPU with Triton, the fp32 masters of a
+bf16 model updated by a plain AdamW on the device (:func:`for_run`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+from typing import Optional
 
 import torch
 
@@ -91,6 +96,31 @@ def _triton_kernel():
     return adamw_masters
 
 
+def refusal_for(optimizer: torch.optim.Optimizer, master) -> Optional[str]:
+    """Why this update cannot stand for ``optimizer`` over ``master``, or None if it can."""
+    if master is None or getattr(master, "sharded", False) or getattr(master, "offloaded", False):
+        return ("optim.fused_update=true needs the fp32 masters of trainer.param_dtype=bf16, "
+                "on the training device and not sharded (optim.zero=false, optim.offload=none)")
+    if type(optimizer) is not torch.optim.AdamW:
+        return (f"optim.fused_update=true runs AdamW's update; the optimizer is a "
+                f"{type(optimizer).__name__} (set optim.name=adamw, optim.zero=false)")
+    if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
+        return "optim.fused_update=true does not run AdamW's amsgrad, maximize or differentiable modes"
+    return None
+
+
+def for_run(mode, optimizer: torch.optim.Optimizer, master, device: torch.device) -> Optional["FusedMasterAdamW"]:
+    """``optim.fused_update``: ``true`` builds it (a ConfigError where it does not apply), ``auto``
+    builds it where it applies on a GPU with Triton, ``false`` never."""
+    mode = str(mode).lower()  # a CLI override `optim.fused_update=true` arrives as "True"
+    if mode == "false":
+        return None
+    if mode == "auto" and (device.type != "cuda" or importlib.util.find_spec("triton") is None
+                           or refusal_for(optimizer, master)):
+        return None
+    return FusedMasterAdamW(optimizer, master)
+
+
 class FusedMasterAdamW:
     """Runs the update of :class:`torch.optim.AdamW` over :class:`ddptrain.precision.MasterWeights`.
 
@@ -103,16 +133,9 @@ class FusedMasterAdamW:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, master):
-        if master is None or getattr(master, "sharded", False) or getattr(master, "offloaded", False):
-            raise ConfigError("optim.fused_update=true needs the fp32 masters of trainer.param_dtype=bf16, "
-                              "on the training device and not sharded (optim.zero=false, optim.offload=none)")
-        if type(optimizer) is not torch.optim.AdamW:
-            raise ConfigError(f"optim.fused_update=true runs AdamW's update; the optimizer is a "
-                             f"{type(optimizer).__name__} (set optim.name=adamw, optim.zero=false)")
-        for g in optimizer.param_groups:
-            if g.get("amsgrad") or g.get("maximize") or g.get("differentiable"):
-                raise ConfigError("optim.fused_update=true does not run AdamW's amsgrad, maximize or "
-                                 "differentiable modes")
+        refusal = refusal_for(optimizer, master)
+        if refusal:
+            raise ConfigError(refusal)
         self.optimizer = optimizer
         self.model_of = {id(m): p for p, m in master.pairs}
         self._blocks: dict[tuple, tuple] = {}  # numels of a group's kernel tensors -> its program table

@@ -17,11 +17,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ddptrain import dist, offload
+from ddptrain import dist, fused_update, offload
 from ddptrain.activation_offload import apply_offload
 from ddptrain.compile import EagerFallbacks, apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError
-from ddptrain.fused_update import FusedMasterAdamW
 from ddptrain.lora import apply_lora
 from ddptrain.optim import build_optimizer
 from ddptrain.precision import MasterWeights, Precision
@@ -124,7 +123,7 @@ def prepare_step(prepared: PreparedModel, loss_fn: Callable, cfg: Config, info: 
     precision = Precision(t.precision, device, t.fp16_init_scale)
     # the tensors whose gradients backward fills (the model's; with masters they are bf16)
     params = [p for p in prepared.module.parameters() if p.requires_grad]
-    fused = FusedMasterAdamW(optimizer, prepared.master) if cfg.optim.fused_update else None
+    fused = fused_update.for_run(cfg.optim.fused_update, optimizer, prepared.master, device)
     update = StepUpdate(optimizer, precision, prepared.master, params, info.world_size, t.clip_grad_norm, device,
                         sharded_grads=shard_grads(cfg, info.world_size), keep_grads=cfg.compile.cuda_graphs,
                         fused=fused)

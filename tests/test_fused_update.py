@@ -106,6 +106,35 @@ def test_fused_update_needs_bf16_masters_and_adamw():
     ddptrain.load_config(None, [*BF16, "optim.fused_update=true"])
 
 
+
+def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, monkeypatch):
+    """optim.fused_update=auto (the default): on a GPU with Triton for bf16 masters under a plain
+    AdamW; off on the CPU, under another optimizer, with sharded or absent masters, without Triton;
+    ``true`` refuses what ``auto`` passes over."""
+    from ddptrain import fused_update
+
+    assert ddptrain.load_config(None, []).optim.fused_update == "auto"
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    master = MasterWeights(Weights())
+    adamw = torch.optim.AdamW([m for _, m in master.pairs], lr=1e-2)
+    sgd = torch.optim.SGD([m for _, m in master.pairs], lr=1e-2)
+    monkeypatch.setattr(fused_update.importlib.util, "find_spec", lambda name: object())  # "Triton is there"
+    assert isinstance(fused_update.for_run("auto", adamw, master, gpu), FusedMasterAdamW)
+    assert fused_update.for_run("auto", adamw, master, cpu) is None
+    assert fused_update.for_run("auto", sgd, master, gpu) is None
+    assert fused_update.for_run("auto", adamw, None, gpu) is None
+    assert fused_update.for_run("false", adamw, master, gpu) is None
+    assert isinstance(fused_update.for_run("true", adamw, master, cpu), FusedMasterAdamW)  # the CPU runs its unfused half
+    with pytest.raises(ddptrain.ConfigError, match="optim.name=adamw"):
+        fused_update.for_run("true", sgd, master, gpu)
+    monkeypatch.setattr(master, "sharded", True, raising=False)
+    assert fused_update.for_run("auto", adamw, master, gpu) is None
+    monkeypatch.setattr(master, "sharded", False, raising=False)
+    monkeypatch.setattr(fused_update.importlib.util, "find_spec", lambda name: None)  # no Triton
+    assert fused_update.for_run("auto", adamw, master, gpu) is None
+    # through the Trainer on the CPU: auto leaves the unfused update in place
+    assert _fit(tmp_path / "auto", steps=2).update.fused is None
+
 KERNEL_CHECK = r"""
 import torch
 from torch import nn
