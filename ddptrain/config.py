@@ -90,7 +90,7 @@ class OptimConfig:
     shard_grads: bool = False  # ZeRO-2: each rank keeps only its own partition's reduced gradients (2/N B/param instead of 2), replacing DDP; needs optim.zero and trainer.param_dtype=bf16; one rank: no change (ddptrain/sharded_grads.py)
     offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
     offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB (of bf16 gradients), so the copies overlap the host update
-    fused_update: str = "auto"  # AdamW on the fp32 masters of trainer.param_dtype=bf16 in one kernel per param group that reads the bf16 gradients and writes the bf16 weights (~30 B of traffic a parameter instead of ~40, no fp32 gradient buffer); same optimizer state. auto: on a GPU with Triton wherever it applies (optim.name=adamw, optim.zero=false, optim.offload=none); true: required, refused elsewhere (ddptrain/fused_update.py)
+    fused_update: str = "auto"  # AdamW on the fp32 masters of trainer.param_dtype=bf16 in one kernel per param group that reads the bf16 gradients and writes the bf16 weights (~30 B of traffic a parameter instead of ~40, no fp32 gradient buffer); same optimizer state. auto: on a GPU with Triton wherever it applies (optim.name=adamw, optim.fused not false, optim.zero=false, optim.offload=none); true: required, refused elsewhere (ddptrain/fused_update.py)
 
 
 @dataclass

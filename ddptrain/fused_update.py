@@ -111,12 +111,14 @@ def refusal_for(optimizer: torch.optim.Optimizer, master) -> Optional[str]:
 
 def for_run(mode, optimizer: torch.optim.Optimizer, master, device: torch.device) -> Optional["FusedMasterAdamW"]:
     """``optim.fused_update``: ``true`` builds it (a ConfigError where it does not apply), ``auto``
-    builds it where it applies on a GPU with Triton, ``false`` never."""
+    builds it where it applies on a GPU with Triton and AdamW runs fused (``optim.fused=false``, a
+    request for the unfused kernels, keeps them), ``false`` never."""
     mode = str(mode).lower()  # a CLI override `optim.fused_update=true` arrives as "True"
     if mode == "false":
         return None
     if mode == "auto" and (device.type != "cuda" or importlib.util.find_spec("triton") is None
-                           or refusal_for(optimizer, master)):
+                           or refusal_for(optimizer, master)
+                           or not all(g.get("fused") for g in optimizer.param_groups)):
         return None
     return FusedMasterAdamW(optimizer, master)
 

@@ -108,20 +108,24 @@ def test_fused_update_needs_bf16_masters_and_adamw():
 
 
 def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, monkeypatch):
-    """optim.fused_update=auto (the default): on a GPU with Triton for bf16 masters under a plain
-    AdamW; off on the CPU, under another optimizer, with sharded or absent masters, without Triton;
-    ``true`` refuses what ``auto`` passes over."""
+    """optim.fused_update=auto (the default): on a GPU with Triton for bf16 masters under a plain,
+    fused AdamW; off on the CPU, under another optimizer or AdamW's unfused kernels, with sharded or
+    absent masters, without Triton; ``true`` refuses what ``auto`` passes over."""
     from ddptrain import fused_update
 
     assert ddptrain.load_config(None, []).optim.fused_update == "auto"
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     master = MasterWeights(Weights())
     adamw = torch.optim.AdamW([m for _, m in master.pairs], lr=1e-2)
+    for g in adamw.param_groups:
+        g["fused"] = True  # as optim.fused=auto builds it on a GPU
+    unfused = torch.optim.AdamW([m for _, m in master.pairs], lr=1e-2, foreach=True)  # optim.fused=false
     sgd = torch.optim.SGD([m for _, m in master.pairs], lr=1e-2)
     monkeypatch.setattr(fused_update.importlib.util, "find_spec", lambda name: object())  # "Triton is there"
     assert isinstance(fused_update.for_run("auto", adamw, master, gpu), FusedMasterAdamW)
     assert fused_update.for_run("auto", adamw, master, cpu) is None
     assert fused_update.for_run("auto", sgd, master, gpu) is None
+    assert fused_update.for_run("auto", unfused, master, gpu) is None
     assert fused_update.for_run("auto", adamw, None, gpu) is None
     assert fused_update.for_run("false", adamw, master, gpu) is None
     assert isinstance(fused_update.for_run("true", adamw, master, cpu), FusedMasterAdamW)  # the CPU runs its unfused half
