@@ -22,7 +22,7 @@ gradient, inside the same call; so does everything on the CPU (the tests also ru
 there, in Triton's interpreter).
 
 ``auto`` (the default) turns it on wherever it applies: a GPU with Triton, the fp32 masters of a
-bf16 model updated by a plain AdamW on the device (:func:`for_run`).
+bf16 model updated on the device by a plain AdamW with its fused kernels (:func:`for_run`).
 """
 
 from __future__ import annotations
