@@ -136,6 +136,7 @@ def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, m
     monkeypatch.setattr(master, "sharded", False, raising=False)
     monkeypatch.setattr(fused_update.importlib.util, "find_spec", lambda name: None)  # no Triton
     assert fused_update.for_run("auto", adamw, master, gpu) is None
+    monkeypatch.undo()
     # through the Trainer on the CPU: auto leaves the unfused update in place
     assert _fit(tmp_path / "auto", steps=2).update.fused is None
 
