@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ddptrain.config import ConfigError
+from ddptrain.optim import skips_on_device
 
 _BLOCK = 4096  # elements per Triton program: a few MB per thousand programs, grids of ~10^5 at 1B params
 
@@ -117,8 +118,7 @@ def for_run(mode, optimizer: torch.optim.Optimizer, master, device: torch.device
     if mode == "false":
         return None
     if mode == "auto" and (device.type != "cuda" or importlib.util.find_spec("triton") is None
-                           or refusal_for(optimizer, master)
-                           or not all(g.get("fused") for g in optimizer.param_groups)):
+                           or refusal_for(optimizer, master) or not skips_on_device(optimizer)):
         return None
     return FusedMasterAdamW(optimizer, master)
 

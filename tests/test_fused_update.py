@@ -116,9 +116,7 @@ def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, m
     assert ddptrain.load_config(None, []).optim.fused_update == "auto"
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     master = MasterWeights(Weights())
-    adamw = torch.optim.AdamW([m for _, m in master.pairs], lr=1e-2)
-    for g in adamw.param_groups:
-        g["fused"] = True  # as optim.fused=auto builds it on a GPU
+    adamw = torch.optim.AdamW([m for _, m in master.pairs], lr=1e-2, fused=True)  # as optim.fused=auto on a GPU
     unfused = torch.optim.AdamW([m for _, m in master.pairs], lr=1e-2, foreach=True)  # optim.fused=false
     sgd = torch.optim.SGD([m for _, m in master.pairs], lr=1e-2)
     monkeypatch.setattr(fused_update.importlib.util, "find_spec", lambda name: object())  # "Triton is there"
