@@ -74,7 +74,13 @@ class LoRALinear(nn.Linear):
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         if h.dtype != self.lora_A.dtype and not torch.is_autocast_enabled(h.device.type):
             h = h.to(self.lora_A.dtype)  # fp32 adapters on a bf16 base, outside autocast
-        return out + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(out.dtype)
+        # The scale goes on the rank-r intermediate and the second GEMM adds onto the base output
+        # (addmm's epilogue), so no elementwise pass over (tokens x out) runs forward or backward.
+        mid = F.linear(h, self.lora_A) * self.lora_scaling
+        if mid.dtype != out.dtype:
+            return out + F.linear(mid, self.lora_B).to(out.dtype)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), mid.reshape(-1, mid.shape[-1]), self.lora_B.t())
+        return flat.view(out.shape)
 
     def delta(self) -> torch.Tensor:
         """``alpha / r * B @ A`` in fp32: what merging adds to ``weight``."""

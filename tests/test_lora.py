@@ -122,6 +122,40 @@ def test_merged_and_unmerged_outputs_agree_and_merge_restores_the_base_layout():
     torch.testing.assert_close(plain.eval()(x), unmerged, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["fp32", "bf16_autocast", "bf16_base_fp32_adapters"])
+def test_adapter_output_and_gradients_follow_the_formula(case):
+    """``W x + b + s B A x`` and its gradients for x, A and B, on each path the forward takes: one
+    dtype (the fused addmm), autocast, and a bf16 base with fp32 adapters outside autocast."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 2 * D))
+    apply_lora(model, ["0"], rank=4, alpha=12)
+    m = model[0]
+    with torch.no_grad():
+        m.lora_B.normal_()
+    if case == "bf16_base_fp32_adapters":
+        m.weight.data, m.bias.data = m.weight.data.bfloat16(), m.bias.data.bfloat16()
+    x = torch.randn(3, 5, D, requires_grad=True)
+    xin = x.bfloat16() if case == "bf16_base_fp32_adapters" else x
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16_autocast"):
+        out = m(xin)
+    A, B = m.lora_A.detach().clone().requires_grad_(), m.lora_B.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    ref = (x2 @ m.weight.float().t() + m.bias.float()) + m.lora_scaling * (x2 @ A.t() @ B.t())
+    rel = 1e-6 if case == "fp32" else 1e-2  # of the reference's norm: bf16 rounds each element to 2^-8
+
+    def close(a, b):
+        assert (a.float() - b).norm() <= rel * b.norm(), (case, (a.float() - b).norm() / b.norm())
+
+    expected_dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    assert out.dtype == expected_dtype and out.shape == (3, 5, 2 * D)
+    close(out, ref.detach())
+    g = torch.randn(out.shape)
+    out.float().backward(g)
+    ref.backward(g)
+    for got, want in ((x.grad, x2.grad), (m.lora_A.grad, A.grad), (m.lora_B.grad, B.grad)):
+        close(got, want)
+
+
 def test_bad_targets_and_globs_are_errors():
     class Sub(nn.Linear):
         pass
