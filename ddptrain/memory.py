@@ -38,7 +38,9 @@ bf16 weights + fp32 masters                 16 (+4 transient) 0
 + optimizer offload (``optim.offload: cpu``) 2 + 2/N (1 GPU: 2) (4 + 8 + 2)/N + one fp32 chunk
 ==========================================  ================  ==============================
 
-Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split with the Adam state,
+The first row's 4 transient bytes are the fp32 gradients the step makes for the masters; the fused
+update (``optim.fused_update``, on by default on a GPU where it applies) reads the bf16 gradients
+itself and makes none. Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split with the Adam state,
 and the step makes a transient fp32 gradient for the rank's own masters (``master_grads``: 4 or
 4/N B). Sharded gradients: each rank keeps the bf16 gradients of its own partition only.
 Optimizer offload (ddptrain/offload.py): the masters (4 B), AdamW moments (8 B) and a bf16
@@ -149,6 +151,14 @@ def _switches(cfg) -> dict:
             "ema_device": str(getattr(getattr(cfg, "ema", None), "device", "auto")).lower()}
 
 
+def _fused_update_runs(cfg, device: str) -> bool:
+    """Whether ``optim.fused_update`` takes the step of unsharded masters on ``device``, as
+    ddptrain/fused_update.py's ``for_run`` decides (``true`` is refused where it cannot run)."""
+    mode = str(getattr(cfg.optim, "fused_update", "false")).lower()
+    return mode == "true" or (mode == "auto" and str(device).startswith("cuda")
+                              and cfg.optim.name.lower() == "adamw" and str(cfg.optim.fused).lower() != "false")
+
+
 def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int:
     """Largest per-rank element count under ZeroRedundancyOptimizer's greedy partition
     (each group's tensors largest first, each to the rank with the smallest total so far)."""
@@ -206,7 +216,8 @@ def stream_blocks(model: nn.Module, globs: Sequence[str] = ()) -> list[nn.Module
 
 def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=None,
                          world_size: int = 1, trainable: Optional[float] = None,
-                         stream_ring_bytes: Optional[float] = None, stream_resident: float = 0) -> dict:
+                         stream_ring_bytes: Optional[float] = None, stream_resident: float = 0,
+                         device: str = "cuda") -> dict:
     """Per-GPU bytes of the model state a ddptrain run holds, and the host bytes per rank of the
     tiers that move state there.
 
@@ -228,6 +239,8 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
             of the streamed base's ring (largest block x (stream_ahead + 1)); a model gives it.
         stream_resident: with a parameter count and a streamed base, how many frozen parameters
             stay on the GPU (outside the streamed blocks); default 0.
+        device: ``"cuda"`` (default) or ``"cpu"``: where the run trains. ``optim.fused_update:
+            auto`` runs on CUDA only, and where it runs the step makes no fp32 master gradients.
 
     Returns:
         dict of bytes: on the GPU ``params`` (resident weights), ``stream_ring``, ``grads``,
@@ -332,8 +345,10 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
     if bf16:
         # bf16 model + fp32 masters: the weights (frozen ones too) and gradients shrink to 2 B,
         # the Adam state stays fp32, and the step makes fp32 gradients for the rank's own
-        # masters. Under ZeRO the masters are sharded with the Adam state (sharded_masters.py).
-        masters, master_grads = 4 * shard, 4 * shard
+        # masters, unless the fused update reads the bf16 gradients itself. Under ZeRO the
+        # masters are sharded with the Adam state (sharded_masters.py).
+        fused = not zero and not offload and _fused_update_runs(cfg, device)
+        masters, master_grads = 4 * shard, 0 if fused else 4 * shard
         opt_bytes = shard * per_state
     if offload:  # masters, optimizer state and the fp32 gradients of the step all on the host
         masters = master_grads = opt_bytes = 0

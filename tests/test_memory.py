@@ -141,9 +141,18 @@ def test_cli_prints_table(capsys):
 def test_bf16_master_weights_rule_and_real_tensors():
     n = 1000
     bf = _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16")
-    one = estimate_model_state(n, bf, 1)
+    one = estimate_model_state(n, bf, 1, device="cpu")
     assert (one["params"], one["grads"], one["masters"], one["optimizer"]) == (2 * n, 2 * n, 4 * n, 8 * n)
     assert one["total"] == 16 * n and one["autocast_weight_copies"] == 0 and one["master_grads"] == 4 * n
+    # on a GPU the fused update (optim.fused_update: auto) reads the bf16 gradients: no fp32 copies;
+    # without it (off, or the unfused AdamW it does not stand for) they come back
+    gpu = estimate_model_state(n, bf, 1)
+    assert gpu["total"] == 16 * n and gpu["master_grads"] == 0
+    for off in ("optim.fused_update=false", "optim.fused=false", "optim.name=adam"):
+        assert estimate_model_state(n, _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16", off),
+                                    1)["master_grads"] == 4 * n, off
+    assert estimate_model_state(n, _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16",
+                                        "optim.fused_update=true"), 1, device="cpu")["master_grads"] == 0
     z2 = estimate_model_state(n, _cfg("trainer.precision=bf16", "trainer.param_dtype=bf16", "optim.zero=true"), 2)
     # ZeRO shards the masters with the Adam state: 4 + 12/N (sharded_masters.py)
     assert z2["optimizer"] == 4 * n and z2["masters"] == 2 * n and z2["master_grads"] == 2 * n
@@ -157,7 +166,7 @@ def test_bf16_master_weights_rule_and_real_tensors():
 
     torch.manual_seed(0)
     model = Net()
-    est = estimate_model_state(model, bf, 1)
+    est = estimate_model_state(model, bf, 1, device="cpu")
     master = MasterWeights(model)
     unique = list({id(p): p for p in model.parameters()}.values())
     assert sum(p.numel() * p.element_size() for p in unique) == est["params"]
@@ -296,7 +305,9 @@ def test_each_tier_by_count(tier, n_gpus):
         assert est["host_total"] == 14 * own + 4 * min(own, 1000)
     else:
         assert est["host_total"] == 0
-        assert est["master_grads"] == 4 * (own if n_gpus > 1 and tier != "ddp" else n)
+        sharded = n_gpus > 1 and tier != "ddp"  # the fused update (default on a GPU) takes unsharded masters only
+        assert est["master_grads"] == (4 * own if sharded else 0)
+        assert _est(n, _tier(tier), n_gpus, device="cpu")["master_grads"] == 4 * (own if sharded else n)
 
 
 class Blocks(nn.Module):
@@ -384,7 +395,7 @@ def test_cards_table_cells_of_a_preset(capsys):
     assert "state only" in text and "GLM-ASR-Nano-2512" in text
     # 2 GPUs, sharded masters: (4 + 12/2) x 2.14e9 = 21.4e9 B + 4/2 x 2.14e9 transient = 25.68e9 B = 23.9 GiB
     assert _cell(text, "+ sharded masters (optim.zero)", 2) == "23.9 (24+)"
-    assert _cell(text, "DDP, bf16 weights + fp32 masters", 1) == "39.9 (48+)"  # 20 B x 2.14e9
+    assert _cell(text, "DDP, bf16 weights + fp32 masters", 1) == "31.9 (48+)"  # 16 B x 2.14e9: the fused update
     # 8 GPUs with offload: (2 + 2/8) x 2.14e9 = 4.815e9 B = 4.5 GiB; host per rank
     # 14 x 2.675e8 + 4 x 2**27 (one 256 MB chunk of bf16 gradients, widened) = 4.282e9 B = 4.0 GiB, x 8 a node
     assert _cell(text, "+ optimizer offload (optim.offload: cpu)", 4) == "4.5 (16+)"
@@ -403,7 +414,9 @@ def test_cards_table_lora_preset_streamed():
     cfg.lora.base_offload = "cpu"
     ring = 2 * 2 * p["stream_block_params"]  # two bf16 decoder layers
     est = _est(p["params"], cfg, 1, p["trainable"], stream_ring_bytes=ring, stream_resident=p["stream_resident_params"])
-    assert est["total"] + est["master_grads"] == ring + 2 * p["stream_resident_params"] + 20 * p["trainable"]
+    # one GPU: the adapters' masters are not sharded, so the fused update makes no fp32 gradients
+    assert est["master_grads"] == 0
+    assert est["total"] == ring + 2 * p["stream_resident_params"] + 16 * p["trainable"]
     assert est["host_base"] == 2 * (p["params"] - p["trainable"] - p["stream_resident_params"])
     text = cards_table(p["params"], p["trainable"], stream_block_bytes=ring / 2,
                        stream_resident=p["stream_resident_params"])
