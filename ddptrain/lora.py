@@ -74,13 +74,10 @@ class LoRALinear(nn.Linear):
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         if h.dtype != self.lora_A.dtype and not torch.is_autocast_enabled(h.device.type):
             h = h.to(self.lora_A.dtype)  # fp32 adapters on a bf16 base, outside autocast
-        # The scale goes on the rank-r intermediate and the second GEMM adds onto the base output
-        # (addmm's epilogue), so no elementwise pass over (tokens x out) runs forward or backward.
-        mid = F.linear(h, self.lora_A) * self.lora_scaling
-        if mid.dtype != out.dtype:
-            return out + F.linear(mid, self.lora_B).to(out.dtype)
-        flat = torch.addmm(out.reshape(-1, out.shape[-1]), mid.reshape(-1, mid.shape[-1]), self.lora_B.t())
-        return flat.view(out.shape)
+        # The scale goes on the rank-r intermediate, so the branch's one pass over (tokens x out) is
+        # the add, which compile fuses into its neighbours (addmm's epilogue was slower: it copies
+        # the base output first).
+        return out + F.linear(F.linear(h, self.lora_A) * self.lora_scaling, self.lora_B).to(out.dtype)
 
     def delta(self) -> torch.Tensor:
         """``alpha / r * B @ A`` in fp32: what merging adds to ``weight``."""
