@@ -74,10 +74,7 @@ class LoRALinear(nn.Linear):
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         if h.dtype != self.lora_A.dtype and not torch.is_autocast_enabled(h.device.type):
             h = h.to(self.lora_A.dtype)  # fp32 adapters on a bf16 base, outside autocast
-        # The scale goes on the rank-r intermediate, so the branch's one pass over (tokens x out) is
-        # the add, which compile fuses into its neighbours (addmm's epilogue was slower: it copies
-        # the base output first).
-        return out + F.linear(F.linear(h, self.lora_A) * self.lora_scaling, self.lora_B).to(out.dtype)
+        return out + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(out.dtype)
 
     def delta(self) -> torch.Tensor:
         """``alpha / r * B @ A`` in fp32: what merging adds to ``weight``."""
