@@ -40,10 +40,10 @@ bf16 weights + fp32 masters                 16 (+4 transient) 0
 
 The first row's 4 transient bytes are the fp32 gradients the step makes for the masters; the fused
 update (``optim.fused_update``, on by default on a GPU where it applies) reads the bf16 gradients
-itself and makes none. Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split with the Adam state,
-and the step makes a transient fp32 gradient for the rank's own masters (``master_grads``: 4 or
-4/N B). Sharded gradients: each rank keeps the bf16 gradients of its own partition only.
-Optimizer offload (ddptrain/offload.py): the masters (4 B), AdamW moments (8 B) and a bf16
+itself and makes none. Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split
+with the Adam state, and the step makes a transient fp32 gradient for the rank's own masters
+(``master_grads``: 4 or 4/N B). Sharded gradients: each rank keeps the bf16 gradients of its own
+partition only. Optimizer offload (ddptrain/offload.py): the masters (4 B), AdamW moments (8 B) and a bf16
 staging copy of the gradients and weights (2 B) of each rank's partition live in pinned host
 memory, with one chunk (``optim.offload_chunk_mb``, MB of bf16 gradients) of fp32 gradient
 scratch; the GPU keeps the bf16 weights and gradients only (no GPU-side staging: the copies go

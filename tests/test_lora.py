@@ -124,8 +124,8 @@ def test_merged_and_unmerged_outputs_agree_and_merge_restores_the_base_layout():
 
 @pytest.mark.parametrize("case", ["fp32", "bf16_autocast", "bf16_base_fp32_adapters"])
 def test_adapter_output_and_gradients_follow_the_formula(case):
-    """``W x + b + s B A x`` and its gradients for x, A and B, on each path the forward takes: one
-    dtype (the fused addmm), autocast, and a bf16 base with fp32 adapters outside autocast."""
+    """``W x + b + s B A x`` and its gradients for x, A and B, on each path the forward takes: fp32,
+    bf16 autocast, and a bf16 base with fp32 adapters outside autocast."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, 2 * D))
     apply_lora(model, ["0"], rank=4, alpha=12)
