@@ -199,6 +199,7 @@ class _Frame:
             return slots[-1]
 
         with contextlib.ExitStack() as stack:
+            stack.callback(_restore, _running_stats(self.fn))  # see _running_stats: updated once a step
             # fork_rng: the replayed draws must not move the RNG stream of the rest of training.
             stack.enter_context(torch.random.fork_rng(self.cuda_devices, device_type="cuda"))
             torch.set_rng_state(self.cpu_rng)
@@ -236,6 +237,49 @@ class _Frame:
         return out
 
 
+def _region_modules(fn: Callable) -> list[nn.Module]:
+    """The modules a checkpointed ``fn`` runs, as far as ``fn`` shows them: ``fn`` itself, the
+    module of a bound ``forward`` or of submodules' ``partial(inner, module)``, modules in its
+    closure (``lambda x: layer(x)``)."""
+    found = [fn, getattr(fn, "__self__", None)]
+    while isinstance(fn, functools.partial):
+        found += fn.args
+        fn = fn.func
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            value = cell.cell_contents
+            found += value if isinstance(value, (list, tuple)) else [value]
+    return list({id(m): m for m in found if isinstance(m, nn.Module)}.values())
+
+
+def _running_stats(fn: Callable) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(buffer, copy)`` of the running statistics of every norm layer in the region.
+
+    A norm layer in training mode normalises with the batch's statistics and *also* updates its
+    running ones (BatchNorm*, SyncBatchNorm, InstanceNorm* with ``track_running_stats``): the
+    recomputation would update them a second time a step (twice the momentum, twice
+    ``num_batches_tracked``), so evaluation would use other statistics than a plain run's. Its
+    outputs never read the running statistics in training, so putting them back after the
+    recomputation is exact; a copy of a few per-channel vectors is cheap, and unlike toggling
+    ``track_running_stats`` it changes no module attribute (a compiled block would recompile on
+    it, and InstanceNorm updates tracked buffers whatever the flag says).
+    """
+    saved = []
+    for owner in _region_modules(fn):
+        for m in owner.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.training:
+                for buf in (m.running_mean, m.running_var, m.num_batches_tracked):
+                    if isinstance(buf, torch.Tensor) and not isinstance(buf, nn.parameter.UninitializedBuffer):
+                        saved.append((buf, buf.clone()))
+    return saved
+
+
+@torch.no_grad()
+def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for buf, copy in saved:
+        buf.copy_(copy)
+
+
 # dynamo cannot trace the hooks: compiled models run this region eagerly. torch's lazy form of
 # torch.compiler.disable imports torch._dynamo at the first call, not with ddptrain (~2 s).
 _disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
@@ -252,7 +296,10 @@ def checkpoint(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
     Args:
         fn: the region to checkpoint. Must be deterministic given its inputs, the RNG state and
             the autocast state (all three are replayed), and must not change its control flow
-            between forward and backward.
+            between forward and backward. Norm layers' running statistics are updated once (the
+            recomputation puts them back) in the modules ``fn`` shows: ``fn`` itself, a bound
+            method's module, a ``functools.partial``'s module arguments, modules (or lists of
+            them) in its closure; not modules it reaches otherwise (through a global).
         *args: positional arguments for ``fn``; tensors among them need not require grad.
         **kwargs: keyword arguments for ``fn``.
 

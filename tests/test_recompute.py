@@ -426,3 +426,78 @@ def test_transformers_whisper_and_wav2vec2_layers():
         params = [*plain.parameters(), *ours.parameters()]  # weights exist either way
         assert (saved_activation_bytes(lambda: loss_fn(ours), params)
                 < saved_activation_bytes(lambda: loss_fn(plain), params))
+
+
+class NormBlock(nn.Module):
+    """A block with every kind of running-statistics norm (the Conformer conv module has a BatchNorm1d)."""
+
+    def __init__(self, c: int = 6):
+        super().__init__()
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm1d(c)
+        self.cma = nn.BatchNorm1d(c, momentum=None)  # cumulative average: reads num_batches_tracked
+        self.inorm = nn.InstanceNorm1d(c, affine=True, track_running_stats=True)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(self.inorm(self.cma(self.bn(self.conv(x))).relu()))
+
+
+class NormNet(nn.Module):
+    def __init__(self, c: int = 6, n: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(NormBlock(c) for _ in range(n))
+        self.head = nn.Conv1d(c, 3, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _train_norm_net(model: nn.Module, steps: int = 3) -> dict:
+    """SGD steps on fixed batches; then the state (weights and running statistics) and eval outputs."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 6, 9, generator=gen) for _ in range(steps)]
+    torch.manual_seed(0)
+    model.train()
+    for x in batches:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = {"eval_out": model(batches[0] * 2 + 1)}
+    out.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("how", ["recompute", "recompute+offload", "recompute+compile", "checkpoint(forward)",
+                                 "checkpoint(lambda)"])
+def test_running_statistics_are_updated_once_per_step(how):
+    """Recomputation in backward must not update BatchNorm/InstanceNorm running statistics again."""
+    torch.manual_seed(0)
+    plain = NormNet()
+    want = _train_norm_net(copy.deepcopy(plain))
+    assert int(want["blocks.0.bn.num_batches_tracked"]) == 3
+    ours = copy.deepcopy(plain)
+    cfg = _cfg(module_classes=["NormBlock"])
+    if how == "recompute+compile":
+        from ddptrain.compile import apply_compile
+        from ddptrain.config import CompileConfig
+        apply_compile(ours, CompileConfig(enabled=True, module_classes=["NormBlock"], backend="aot_eager"))
+    if how == "checkpoint(forward)":  # the public function, given a bound forward
+        for block in ours.blocks:
+            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block))
+    elif how == "checkpoint(lambda)":  # ... or a function that calls the modules
+        blocks, head = list(ours.blocks), ours.head
+        ours.forward = lambda x: head(checkpoint(lambda y: blocks[1](blocks[0](y)), x))
+    else:
+        apply_recompute(ours, cfg)
+    if how == "recompute+offload":
+        from ddptrain.activation_offload import apply_offload
+        with pytest.warns(RuntimeWarning, match="CPU device"):
+            apply_offload(ours, _cfg(module_classes=["NormBlock"], offload="cpu"), torch.device("cpu"), min_bytes=0)
+    got = _train_norm_net(ours)
+    _assert_same(want, got)
