@@ -161,8 +161,8 @@ class Trainer:
         try:
             # trainer.preflight: an out-of-memory error now, not in hours
             preflight.before_fit(t.preflight, self.one_step, self.train_data, self.logger.print)
-            if c.keep_best > 0:  # an unknown best_metric fails now, not after the first full evaluation
-                self.evaluate(max_batches=1)
+            if c.keep_best > 0 or self.gate is not None and self.gate.baseline is not None:
+                self.evaluate(max_batches=1)  # an unknown best_metric or regression_metric fails now
             if self.gate is not None and self.gate.baseline is None:
                 self.evaluate()  # eval.baseline=measure: the base model's metrics, before its first step
             self.preemption.install()  # signals only set a flag; ranks agree on it every step
@@ -293,9 +293,10 @@ class Trainer:
         result = reduce_ratios(sums, self.device)
         c = self.cfg.checkpoint
         # a probe's batches need not hold every eval source: a per-source name counts if its source exists
-        named = getattr(getattr(self.eval_data if own else data, "dataset", None), "names", None) or ()  # a MixedDataset
-        sources = list(dict.fromkeys([*self.cfg.data.eval_sources, *named]))
+        sources = regression.eval_sources(self.cfg, self.eval_data if own else data)
         result.update(regression.source_means(result, sources))  # <metric>/mean: keep-best over all sources
+        if own and self.gate is not None and not self.gate.checked:
+            self.gate.check_metric(result, sources)  # before the base is kept: a typo checks nothing
         if own and not max_batches and self.gate is not None:
             result.update(self.gate.review(result, p.step, sources, self.logger.print))
         if own and c.keep_best > 0 and not ckpt.produces(result, c.best_metric, sources if max_batches else ()):

@@ -163,3 +163,29 @@ def test_the_asr_demo_mix_with_temperature_a_cap_keep_best_and_the_gate(tmp_path
     for step in (4, 8, 12):
         assert logged[step]["wer/mean"] == pytest.approx((logged[step]["wer/accent"] + logged[step]["wer/base"]) / 2)
         assert {"regressed/accent", "regressed/base", "regressed"} <= set(logged[step])
+
+
+def test_a_gate_that_would_check_nothing_is_refused_at_the_start(tmp_path):
+    """A typo'd or whole-set regression_metric, or no named eval sources: refused before a step."""
+    for i, metric in enumerate(["wre", "loss"]):  # loss: produced for the whole set only
+        with pytest.raises(ConfigError, match=rf"eval.regression_metric='{metric}' is not a metric this run's "
+                                              r"evaluation produces per eval source .*it produces per source: wer"):
+            fit(tmp_path / f"m{i}", [(0.1, 0.1)], "trainer.max_steps=2", "eval.baseline=measure",
+                f"eval.regression_metric={metric}")
+        assert not (tmp_path / f"m{i}" / "eval_baseline.json").exists()
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"wer/a": 0.1, "wer/b": 0.2, "loss": 1.0}))
+    with pytest.raises(ConfigError, match=rf"eval.regression_metric='loss': the base's metrics in {base} have no "
+                                          r"loss/<source> .*per-source metrics there: wer"):
+        fit(tmp_path / "f1", [(0.1, 0.1)], f"eval.baseline={base}", "eval.regression_metric=loss")
+    base.write_text(json.dumps({"cer/a": 0.1}))  # a base with the metric, a run without it: the probe finds out
+    metrics = FakeWER([(0.1, 0.1)])
+    with pytest.raises(ConfigError, match=r"eval.regression_metric='cer' is not a metric .*it produces per source: wer"):
+        fit(tmp_path / "f2", [], "trainer.max_steps=2", f"eval.baseline={base}", "eval.regression_metric=cer",
+            metrics=metrics)
+    assert metrics.evals == 0 and not list((tmp_path / "f2").glob("checkpoints/step_*"))  # the probe only, no step
+    with pytest.raises(ConfigError, match=r"eval.baseline='measure' compares eval.regression_metric per eval source "
+                                          r"\(wer/<source>\), and this run's evaluation has no named sources \(a single "
+                                          r"data.eval_manifest\): name them with data.eval_sources"):
+        ddptrain.Trainer(FrameMLP(), frame_loss, make_cfg(tmp_path / "s", "eval.baseline=measure"),
+                         micro_batches(2)[0], eval_data=eval_batches(), metrics_fn=FakeWER([(0.1, 0.1)]))
