@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import difflib
 import math
 import os
 import signal
@@ -667,7 +668,41 @@ _CHECKED = "_ddptrain_checked"  # the values a section had when check_section re
 
 
 def _values_of(section: Any) -> str:
-    return repr([getattr(section, f.name) for f in dataclasses.fields(section)])
+    return repr([getattr(section, f.name) for f in dataclasses.fields(section)] + _extra_attributes(section))
+
+
+def _extra_attributes(obj: Any) -> list[str]:
+    """Attributes set on a dataclass instance that are none of its fields (a typo in Python:
+    ``cfg.trainer.max_step = 5``); private names (``_ddptrain_checked``) are the library's."""
+    fields = {f.name for f in dataclasses.fields(obj)}
+    return [k for k in vars(obj) if k not in fields and not k.startswith("_")]
+
+
+def _did_you_mean(word: str, known, prefix: str = "") -> str:
+    """``: did you mean 'prefix+match'?`` for the closest of ``known``, or "" if none is close."""
+    close = difflib.get_close_matches(word, [str(k) for k in known], n=1)
+    return f": did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def _refuse_unknown_attributes(root: Any) -> None:
+    """Fail on an attribute of a Python-built config that is no key, as an unknown YAML key fails:
+    a dataclass takes any attribute, and a misspelt one would be silently ignored."""
+    named = list(root.items()) if isinstance(root, dict) else []
+    if not isinstance(root, dict):
+        sections = [f.name for f in dataclasses.fields(root)]
+        if extras := _extra_attributes(root):
+            raise ConfigError(f"unknown config key '{extras[0]}' (an attribute set in Python that "
+                              f"{type(root).__name__} does not have){_did_you_mean(extras[0], sections)}")
+        named = [(name, getattr(root, name)) for name in sections]
+    while named:
+        key, obj = named.pop(0)
+        if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+            continue
+        fields = [f.name for f in dataclasses.fields(obj)]
+        if extras := _extra_attributes(obj):
+            raise ConfigError(f"unknown config key '{key}.{extras[0]}' (an attribute set in Python that "
+                              f"{type(obj).__name__} does not have){_did_you_mean(extras[0], fields, key + '.')}")
+        named += [(f"{key}.{name}", getattr(obj, name)) for name in fields]  # a recipe's nested sections
 
 
 def check_config(cfg: Any) -> Any:
@@ -700,6 +735,7 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
         where = origins.get(key)
         raise ConfigError(f"{where + ': ' if where else ''}{why}")
 
+    _refuse_unknown_attributes(root)
     tables, together = schema_rules(Config if isinstance(root, dict) else type(root))
     mine = [k for k in [*tables[1], *(k for keys, _, _ in together[len(_TOGETHER):] for k in keys)]
             if holder_of(k)[0] is None]
@@ -806,8 +842,11 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
         key = e.full_key or getattr(e, "key", None) or key
         if key in REMOVED_KEYS:
             raise ConfigError(f"{origin}: '{key}' is no longer a config key: {REMOVED_KEYS[key]}") from None
+        section, _, leaf = str(key).rpartition(".")
+        node = OmegaConf.select(base, section) if section else base
+        guess = _did_you_mean(leaf, node.keys(), section + "." if section else "") if isinstance(node, DictConfig) else ""
         raise ConfigError(f"{origin}: unknown config key '{key}' (check the spelling against "
-                          f"the dataclasses in ddptrain/config.py)") from None
+                          f"the dataclasses in ddptrain/config.py){guess}") from None
     except ValidationError as e:
         why = str(e.msg).splitlines()[0] if e.msg else "a section takes keys below it (section.key=value), not a value"
         raise ConfigError(f"{origin}: bad value for '{e.full_key or key}': {why}") from None

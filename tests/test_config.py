@@ -372,3 +372,61 @@ def test_a_list_for_a_mapping_or_the_reverse_names_the_key(tmp_path, override, k
     path.write_text(f"{section}:\n  {leaf}: {override.split('=', 1)[1]}\n")
     with pytest.raises(ConfigError, match=rf"c.yaml: {key} takes {want}"):
         load_config(str(path))
+
+
+# --------------------------------------------- a typo'd attribute on a Python-built config (issue 49, item 4)
+
+
+def test_a_typod_attribute_on_a_python_built_config_is_an_unknown_key(tmp_path):
+    import os
+
+    from ddptrain.config import check_config, check_section
+    from ddptrain.data.config import DataConfig
+
+    cfg = _python_config(tmp_path / "a")
+    cfg.trainer.max_step = 5
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.max_step' \(an attribute set in Python that "
+                                          r"TrainerConfig does not have\): did you mean 'trainer.max_steps'\?"):
+        _python_trainer(cfg)
+    assert not os.path.exists(tmp_path / "a" / "checkpoints")
+    cfg = _python_config(tmp_path / "b")
+    cfg.optimm = cfg.optim  # a section name misspelt
+    with pytest.raises(ConfigError, match=r"unknown config key 'optimm' .*did you mean 'optim'\?"):
+        check_config(cfg)
+    loaded = load_config(None, ["trainer.max_steps=3"])  # a loaded config changed in Python: the same
+    loaded.ema.decayy = 0.9
+    with pytest.raises(ConfigError, match=r"unknown config key 'ema.decayy' .*did you mean 'ema.decay'\?"):
+        check_config(loaded)
+    data = check_section(DataConfig(), "data")  # a section checked once, then given a typo: checked again
+    data.max_duraton = 10.0
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.max_duraton' .*did you mean 'data.max_duration'"):
+        check_section(data, "data")
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.zzz' \(an attribute set in Python that "
+                                          r"DataConfig does not have\)$"):  # nothing close: no guess
+        check_section(_with(DataConfig(), zzz=1), "data")
+
+
+def _with(obj, **attrs):
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    return obj
+
+
+def test_a_recipes_own_sections_are_checked_for_typos_too():
+    @dataclass
+    class ModelCfg:
+        width: int = 8
+
+    @dataclass
+    class MyConfig(ddptrain.Config):
+        model: ModelCfg = field(default_factory=ModelCfg)
+
+    from ddptrain.config import check_config
+
+    cfg = load_config(None, ["model.width=16"], schema=MyConfig)
+    assert check_config(cfg).model.width == 16  # its own sections and keys are known
+    cfg.model.widht = 4
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.widht' .*ModelCfg.*did you mean 'model.width'\?"):
+        check_config(cfg)
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.widht' .*did you mean 'model.width'\?"):
+        load_config(None, ["model.widht=4"], schema=MyConfig)  # the YAML/override path suggests it too
