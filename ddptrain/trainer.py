@@ -354,7 +354,14 @@ class Trainer:
         moved = resume.same_folders(diff, resume.saved_folders(path), self._folders)
         resume.check(diff, path, resume.refused_keys(self.cfg), moved)
         shared, per_rank = self._states()
-        fresh = self.ema is not None and "ema" not in ckpt.read_meta(path)  # ema.enabled since this checkpoint
+        saved_ema = ckpt.read_meta(path).get("ema")
+        fresh = self.ema is not None and saved_ema is None  # ema.enabled since this checkpoint
+        if self.ema is None and saved_ema is not None and self.info.is_main:
+            # said now: this run's checkpoints hold no EMA, and pruning later deletes the ones that do
+            print(f"WARNING: {path} holds an EMA of the weights ({saved_ema.get('updates', '?')} updates) and "
+                  "ema.enabled=false: this run drops it (its checkpoints hold no EMA, and checkpoint.keep_last / "
+                  "keep_best pruning deletes the older ones that do). To keep it, resume with ema.enabled=true, or "
+                  f"copy it out first: ddptrain-weights export {path} OUT --weights ema")
         for states in (shared, per_rank) if fresh else ():
             states.pop("ema", None)  # nothing saved to load into it
         meta = ckpt.load(path, shared, per_rank, self.info.world_size, self.info.rank)

@@ -427,3 +427,17 @@ def test_without_an_ema_loading_gives_the_trained_weights_and_asking_for_it_name
         ddptrain.load_weights(FrameMLP(), str(loose), which="ema")
     with pytest.raises(ckpt.CheckpointError, match="'best' is not one of auto, ema, model"):
         ddptrain.load_weights(FrameMLP(), str(step), which="best")
+
+
+def test_resuming_with_ema_off_from_a_checkpoint_with_an_ema_says_it_is_dropped(tmp_path, capsys):
+    """ema.enabled=false at a resume drops the checkpoint's EMA: said at the resume, naming the
+    checkpoint, what is lost and how to keep it (issue 49, item 8)."""
+    _resume_run(tmp_path / "ema", 4, "ema.enabled=true")
+    step = tmp_path / "ema" / "checkpoints" / "step_00000004"
+    capsys.readouterr()
+    _resume_run(tmp_path / "off", 4, f"checkpoint.resume={step}")
+    out = capsys.readouterr().out
+    assert f"WARNING: {step} holds an EMA of the weights (2 updates) and ema.enabled=false: this run drops it" in out
+    assert f"ddptrain-weights export {step} OUT --weights ema" in out and "ema.enabled=true" in out.split("drops it")[1]
+    _resume_run(tmp_path / "on", 4, "ema.enabled=true", f"checkpoint.resume={step}")  # kept: not a word
+    assert "drops it" not in capsys.readouterr().out
