@@ -226,3 +226,16 @@ def test_the_same_utterances_in_two_shard_sets_are_found(two_sources, tmp_path):
         with pytest.raises(DataError, match=r"(?s)12 of 24 utterance\(s\) have problems.*two/shard-0000\d\d.tar:\d+ "
                                             r"\(id .*\): duplicate id"):
             build_dataloader(sources, cfg(sources), tok, train=True)
+
+
+# ------------------------------------------------------------------ issue 49, item 12
+
+
+def test_huge_weights_mean_their_ratio():
+    """Weights whose sum overflows (1e308 + 1e308) are shares like any others, not a crash."""
+    want = drawn(mix((1, 3)))
+    assert np.array_equal(drawn(mix((0.5e308, 1.5e308))), want)
+    assert mix((1e308, 1e308)).weights == [0.5, 0.5]
+    from ddptrain.data.mix import mix_shares
+
+    assert mix_shares([1e308, 1e308], 2.0).tolist() == [0.5, 0.5]

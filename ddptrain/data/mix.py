@@ -103,13 +103,15 @@ class WeightedMixSampler(ShardWindowSampler):
                 or (self.sources < 0).any():
             raise ValueError(f"need a source number in 0..{w.size - 1} per utterance and one weight and name per "
                              f"source; got {w.size} weights and {len(names)} names")
-        if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        if not np.isfinite(w).all() or (w < 0).any() or not w.max() > 0:
             raise ValueError(f"weights must be >= 0 and not all 0, got {dict(zip(names, w.tolist()))}")
-        self.names, self.weights = [str(n) for n in names], (w / w.sum()).tolist()
+        if not np.isfinite(w.sum()):  # huge weights (1e308 + 1e308): the sum overflows; their ratio is what counts
+            w = w / w.max()
+        share = w / w.sum()
+        self.names, self.weights = [str(n) for n in names], share.tolist()
         n_sb = np.zeros((w.size, len(self._buckets)), dtype=np.int64)
         np.add.at(n_sb, (self.sources, self._bucket_of), 1)
         n_s = n_sb.sum(1)
-        share = w / w.sum()
         empty = [n for n, k, x in zip(self.names, n_s, share) if x > 0 and k == 0]
         if empty:
             raise ValueError(f"source(s) {empty} have a weight but no utterances (all skipped as bad data?)")
@@ -245,7 +247,7 @@ def mix_shares(base: Sequence[float], temperature: float = 1.0) -> np.ndarray:
         ValueError: a ``b`` < 0 or not finite, all ``b`` 0, or ``temperature <= 0``.
     """
     b = np.asarray(base, dtype=np.float64)
-    if not np.isfinite(b).all() or (b < 0).any() or b.sum() <= 0:
+    if not np.isfinite(b).all() or (b < 0).any() or not b.max() > 0:  # not the sum: it may overflow
         raise ValueError(f"mixing weights must be finite, >= 0 and not all 0, got {b.tolist()}")
     if not temperature > 0:
         raise ValueError(f"mix_temperature must be > 0, got {temperature!r}")
