@@ -189,3 +189,24 @@ def test_lines_with_durations_open_nothing_and_the_tokenizer_needs_no_header(cor
     tok = CharTokenizer.build(manifest)
     assert tok.encode("abc") and header_reads == []
     assert not os.path.exists(durations.cache_path(given)) and not os.path.exists(durations.cache_path(manifest))
+
+
+def test_a_stale_cache_is_named_as_the_culprit_with_the_file_to_delete(corpus):
+    """A file rewritten with its size and time kept: the cached duration is stale, and the
+    validator's mismatch names the cache (the manifest line has no duration), not the manifest."""
+    manifest, true = corpus
+    entries = load_manifest(manifest)
+    path = entries[0].audio_filepath
+    st = os.stat(path)
+    sf.write(path, np.zeros(int(1.25 * 16000)), 8000)  # 2.5 s at 8 kHz, the same number of bytes
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size
+    cache = durations.cache_path(manifest)
+    with pytest.raises(DataError) as err:
+        validate_manifest(manifest, DataConfig())
+    msg = str(err.value)
+    assert (f"duration mismatch: the duration cache {cache} says 1.250s (the line has no duration), {path} has "
+            f"2.500s: delete {cache} (it is rebuilt from the audio headers)") in msg, msg
+    assert "the manifest says" not in msg
+    os.remove(cache)
+    assert validate_manifest(manifest, DataConfig()).num_skipped == 0

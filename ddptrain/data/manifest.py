@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
-from ddptrain.data.durations import header_durations
+from ddptrain.data.durations import cache_path, header_durations
 from ddptrain.data.errors import DataError, Problem
 
 PathOrPaths = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
@@ -104,6 +104,7 @@ class ManifestEntry:
     source: str = ""  # manifest path as given ("" when built in memory)
     line: int = 0  # 1-based line in ``source``
     extra: dict = field(default_factory=dict)  # any other keys of the line
+    duration_from: str = ""  # the line had no duration: the cache file it came from (durations.py), for messages
 
     def where(self) -> str:
         """``file:line (id ...)`` for messages."""
@@ -164,9 +165,10 @@ def parse_manifest(path: Union[str, os.PathLike], fields: Optional[Mapping[str, 
     unknown = [e for e in entries if math.isnan(e.duration)]
     if unknown and read_durations:
         seconds, unreadable = header_durations([e.audio_filepath for e in unknown], path, num_threads)
+        cache = cache_path(path)
         for e in unknown:
             if e.audio_filepath in seconds:
-                e.duration = seconds[e.audio_filepath]
+                e.duration, e.duration_from = seconds[e.audio_filepath], cache
         key = spellings["duration"][0]
         problems += [Problem(e.source, e.line, e.id, f"missing key(s) {key} and the audio header cannot give it: "
                              f"{unreadable[e.audio_filepath]}") for e in unknown if e.audio_filepath in unreadable]

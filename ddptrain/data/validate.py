@@ -422,6 +422,10 @@ def _audio_problem(e: ManifestEntry, cfg: DataConfig, decode: bool) -> str:
         if e.offset + e.duration > info.duration + tol:
             return (f"duration mismatch: segment {e.offset:.3f}s + {e.duration:.3f}s runs past the end of "
                     f"{e.audio_filepath} ({info.duration:.3f}s)")
+    elif abs(info.duration - e.duration) > tol and e.duration_from:  # a stale cache, not the line, is wrong
+        return (f"duration mismatch: the duration cache {e.duration_from} says {e.duration:.3f}s (the line has no "
+                f"duration), {e.audio_filepath} has {info.duration:.3f}s: delete {e.duration_from} (it is rebuilt "
+                "from the audio headers)")
     elif abs(info.duration - e.duration) > tol:
         return f"duration mismatch: the manifest says {e.duration:.3f}s, {e.audio_filepath} has {info.duration:.3f}s"
     if decode:
