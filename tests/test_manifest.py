@@ -244,3 +244,20 @@ def test_the_command_lines_take_field(tmp_path, capsys):
     assert shards.main([m, str(tmp_path / "sh"), "--field", "audio=wav", "--field", "text=normalized"]) == 0
     s = load_shards(str(tmp_path / "sh"))
     assert len(s) == 1 and float(s.duration[0]) == 0.5
+
+
+def test_a_comma_inside_a_manifest_path(tmp_path):
+    """Commas separate manifest paths: a path that exists as a whole is one path, ``\\,`` escapes a
+    comma, and a fragment that is not found names the file with the comma it was cut from."""
+    line = {"audio_filepath": "a.wav", "duration": 1, "text": "ok"}
+    comma = write_lines(tmp_path / "x,y.jsonl", [dict(line, id="c")])
+    other = write_lines(tmp_path / "z.jsonl", [dict(line, id="z")])
+    assert [e.id for e in load_manifest(comma)] == ["c"]  # exists as a whole: not split
+    escaped = comma.replace(",", "\\,")
+    assert [e.id for e in load_manifest(f"{escaped},{other}")] == ["c", "z"]
+    with pytest.raises(DataError) as err:
+        load_manifest(f"{comma},{other}")
+    assert str(err.value) == (f"manifest not found: {tmp_path}/x (a comma separates manifest paths, and {comma} "
+                              f"exists: write it as {escaped})")
+    with pytest.raises(DataError, match=rf"manifest not found: {tmp_path}/nope.jsonl$"):
+        load_manifest(f"{tmp_path}/nope.jsonl,{other}")

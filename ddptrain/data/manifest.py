@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -112,10 +113,31 @@ class ManifestEntry:
 
 
 def split_paths(paths: PathOrPaths) -> list[str]:
-    """A path, a comma-separated string of paths, or a list of paths -> list of paths."""
+    """A path, a comma-separated string of paths, or a list of paths -> list of paths.
+
+    A comma inside a path is written ``\\,``; a string that names an existing file or folder as a
+    whole is that one path (commas and all).
+    """
     if isinstance(paths, (str, os.PathLike)):
-        return [p.strip() for p in os.fspath(paths).split(",") if p.strip()]
+        text = os.fspath(paths)
+        if "," in text and os.path.exists(text.strip()):
+            return [text.strip()]
+        return [p.strip().replace("\\,", ",") for p in re.split(r"(?<!\\),", text) if p.strip()]
     return [os.fspath(p) for p in paths]
+
+
+def _comma_hint(path: str) -> str:
+    """For a manifest not found: the file it is the start of, if one has a comma after it there
+    (``data/x,y.jsonl`` cut at its comma into ``data/x``), and how to write that comma."""
+    folder, name = os.path.split(path)
+    try:
+        cut = sorted(n for n in os.listdir(folder or ".") if n.startswith(name + ","))
+    except OSError:
+        return ""
+    if not cut:
+        return ""
+    whole = os.path.join(folder, cut[0])
+    return f" (a comma separates manifest paths, and {whole} exists: write it as {whole.replace(',', chr(92) + ',')})"
 
 
 def parse_manifest(path: Union[str, os.PathLike], fields: Optional[Mapping[str, str]] = None,
@@ -151,7 +173,7 @@ def parse_manifest(path: Union[str, os.PathLike], fields: Optional[Mapping[str, 
         with open(path, encoding="utf-8-sig") as f:
             lines = f.read().split("\n")
     except FileNotFoundError:
-        raise DataError(f"manifest not found: {path}") from None
+        raise DataError(f"manifest not found: {path}{_comma_hint(path)}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read manifest {path}: {e}") from None
     for lineno, raw in enumerate(lines, start=1):
