@@ -848,6 +848,12 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
         raise ConfigError(f"{origin}: unknown config key '{key}' (check the spelling against "
                           f"the dataclasses in ddptrain/config.py){guess}") from None
     except ValidationError as e:
+        section = None if e.msg and e.full_key else _section_given_a_value(base, other)
+        if section is not None:  # OmegaConf names no key for it ('?' in a file)
+            name, value = section
+            raise ConfigError(f"{origin}: bad value for '{name}': a section takes keys below it ({name}.key=value on "
+                              f"the command line; in YAML, indented key: value lines under {name}:), not a value "
+                              f"({value})") from None
         why = str(e.msg).splitlines()[0] if e.msg else "a section takes keys below it (section.key=value), not a value"
         raise ConfigError(f"{origin}: bad value for '{e.full_key or key}': {why}") from None
     except OmegaConfBaseException as e:
@@ -860,6 +866,26 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
         raise ConfigError(f"{origin}: {where} takes " + ("a mapping {name: value}, not a list" if wants_mapping else
                           "a list [a, b, ...], not a mapping") + f" (e.g. {where}="
                           + ("{a: 1, b: 2})" if wants_mapping else "[1, 2])")) from None
+
+
+def _section_given_a_value(base: DictConfig, other: DictConfig, prefix: str = "") -> Optional[tuple[str, str]]:
+    """The first key that is a section in ``base`` and a value (not a mapping) in ``other``:
+    ``(dotted key, the value as YAML writes it)``, or None."""
+    for k in other:
+        try:
+            if k not in base:
+                continue
+            b, o = base[k], other[k]
+        except OmegaConfBaseException:
+            continue
+        if isinstance(b, DictConfig) and not isinstance(o, DictConfig):
+            shown = OmegaConf.to_container(o) if isinstance(o, ListConfig) else o
+            return f"{prefix}{k}", str(shown)
+        if isinstance(b, DictConfig):
+            found = _section_given_a_value(b, o, f"{prefix}{k}.")
+            if found:
+                return found
+    return None
 
 
 def _container_clash(base: DictConfig, other: DictConfig, prefix: str = "") -> Optional[tuple[str, bool]]:

@@ -430,3 +430,14 @@ def test_a_recipes_own_sections_are_checked_for_typos_too():
         check_config(cfg)
     with pytest.raises(ConfigError, match=r"unknown config key 'model.widht' .*did you mean 'model.width'\?"):
         load_config(None, ["model.widht=4"], schema=MyConfig)  # the YAML/override path suggests it too
+
+
+@pytest.mark.parametrize("yaml_text,key,value", [("trainer: 5\n", "trainer", "5"),
+                                                  ("optim:\n  lr: 0.1\ndata: [1, 2]\n", "data", "[1, 2]")])
+def test_a_value_for_a_whole_section_in_a_file_names_the_section(tmp_path, yaml_text, key, value):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == (f"{path}: bad value for '{key}': a section takes keys below it ({key}.key=value on the "
+                              f"command line; in YAML, indented key: value lines under {key}:), not a value ({value})")
