@@ -239,3 +239,19 @@ def test_huge_weights_mean_their_ratio():
     from ddptrain.data.mix import mix_shares
 
     assert mix_shares([1e308, 1e308], 2.0).tolist() == [0.5, 0.5]
+
+
+def test_overlapping_eval_sources_get_an_evaluation_message(two_sources, tmp_path):
+    from ddptrain.data import DataError
+
+    a, _, tok = two_sources
+    again = tmp_path / "again.jsonl"  # two of a's utterances under other ids
+    again.write_text(_lines(load_manifest(a)[:2], id=lambda i, e: f"other{i}"))
+    for sources in ({"a": a, "again": str(again)}, f"{a},{again}"):  # named sources, or manifests in a row
+        with pytest.raises(DataError) as err:
+            build_dataloader(sources, cfg(sources if isinstance(sources, dict) else ""), tok, train=False)
+        msg = str(err.value)
+        assert f"{again}:1 (id other0): duplicate audio" in msg and "train twice" not in msg, msg
+        assert "it would be scored twice in every evaluation" in msg, msg
+    with pytest.raises(DataError, match="it would train twice an epoch"):  # training keeps its words
+        build_dataloader({"a": a, "again": str(again)}, cfg({"a": a, "again": str(again)}), tok, train=True)

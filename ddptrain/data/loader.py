@@ -46,7 +46,8 @@ from ddptrain.data.manifest import ManifestEntry
 from ddptrain.data.mix import SourceCollator, Sources, load_sources, uses_sources
 from ddptrain.data.sampler import DurationBucketSampler, budget_lengths, sampler_settings
 from ddptrain.data.tokenizer import CharTokenizer
-from ddptrain.data.validate import ValidationReport, check_entries, duplicate_problems, finish_report, read_entries
+from ddptrain.data.validate import (SCORE_TWICE, TRAIN_TWICE, ValidationReport, check_entries, duplicate_problems,
+                                    finish_report, read_entries)
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +93,15 @@ def build_dataloader(
     sources: Optional[Sources] = None
     report: Optional[ValidationReport] = None
     if uses_sources(manifest):  # named sources or shard sets (mix.py, shards.py)
-        sources = load_sources(manifest, cfg, tokenizer, _check_sharded)
+        sources = load_sources(manifest, cfg, tokenizer, _check_sharded, train)
         report, durations = sources.report, sources.durations
         _check_same_on_all_ranks(sources.fingerprint(), durations.size)
     else:
         entries, problems = read_entries(manifest, cfg.fields)
         if cfg.validate:
             problems += _check_sharded(entries, cfg, tokenizer)
-            problems += duplicate_problems([entries], [None], by_id=False)[0]  # one audio in two manifests
+            problems += duplicate_problems([entries], [None], by_id=False,  # one audio in two manifests
+                                           why=TRAIN_TWICE if train else SCORE_TWICE)[0]
             report = finish_report(entries, problems, cfg.bad_data)
             entries = report.entries
             if report.problems:

@@ -70,7 +70,8 @@ from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import ManifestEntry, split_paths
 from ddptrain.data.shard_sampler import ShardWindowSampler
 from ddptrain.data.shards import ShardDataset, ShardSet, check_shards, is_shard_spec, load_shards
-from ddptrain.data.validate import ValidationReport, duplicate_problems, finish_report, read_entries
+from ddptrain.data.validate import (SCORE_TWICE, TRAIN_TWICE, ValidationReport, duplicate_problems, finish_report,
+                                    read_entries)
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +395,7 @@ def uses_sources(manifest) -> bool:
     return any(is_shard_spec(p) for p in split_paths(manifest))
 
 
-def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable) -> Sources:
+def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable, train: bool = True) -> Sources:
     """Parse, index and validate every source, then apply ``data.bad_data`` to all at once.
 
     Args:
@@ -404,6 +405,7 @@ def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable)
         tokenizer: for the manifest checks (or None).
         check_manifest: ``(entries, cfg, tokenizer) -> problems``, the loader's (rank-sharded)
             audio checks of manifest lines.
+        train: training data (else evaluation data: a duplicate's message says what it would do there).
 
     Raises:
         DataError: under ``bad_data: error``, every problem of every source (manifest lines by
@@ -439,7 +441,8 @@ def load_sources(manifest, cfg: DataConfig, tokenizer, check_manifest: Callable)
             parts.append(shards)
             part_source.append(s)
     if cfg.validate:  # the same utterance in two sources (or shard sets) would train twice an epoch
-        twice, parts = duplicate_problems(parts, [items[s][0] for s in part_source])
+        twice, parts = duplicate_problems(parts, [items[s][0] for s in part_source],
+                                          why=TRAIN_TWICE if train else SCORE_TWICE)
         problems += twice
         dropped = {(p.source, p.line, p.id) for p in twice}
         good_entries = [e for e in good_entries if (e.source, e.line, e.id) not in dropped]

@@ -275,7 +275,12 @@ def keep_good(entries: Sequence[Located], problems: Sequence[Problem], policy: s
     return report.entries
 
 
-def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: bool = True) -> tuple[list[Problem], list]:
+TRAIN_TWICE = "it would train twice an epoch"
+SCORE_TWICE = "it would be scored twice in every evaluation"  # eval data (build_dataloader's train=False)
+
+
+def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: bool = True,
+                       why: str = TRAIN_TWICE) -> tuple[list[Problem], list]:
     """The utterances that an earlier part of a run's data already holds, so none trains twice an
     epoch: by id (``by_id``) across parts and within a shard set, and, where ids differ, by audio
     for manifest lines of different files (the same file and, for a segment line, the same
@@ -286,6 +291,7 @@ def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: b
             one list are :func:`read_entries`' to report) or a :class:`~ddptrain.data.shards.ShardSet`.
         names: the source name of each part (named in messages), or None.
         by_id: also compare ids (False: audio only).
+        why: what a copy would do, said after each problem (:data:`SCORE_TWICE` for eval data).
 
     Returns:
         ``(problems, parts)``: one problem per later copy, and the parts without those copies.
@@ -300,8 +306,7 @@ def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: b
             for i in range(len(part)):
                 uid, path, num = part.utterance_id(i), part.paths[int(part.shard[i])], int(part.number[i])
                 if by_id and uid in ids:
-                    problems.append(Problem(path, num, uid, f"duplicate id (also {ids[uid][1]}): it would train twice "
-                                                            "an epoch"))
+                    problems.append(Problem(path, num, uid, f"duplicate id (also {ids[uid][1]}): {why}"))
                     drop[i] = True
                 else:
                     ids.setdefault(uid, (k, f"{label}{path}:{num}"))
@@ -313,11 +318,10 @@ def duplicate_problems(parts: Sequence, names: Sequence[Optional[str]], by_id: b
             key = (e.audio_filepath, round(e.offset, 3), round(e.duration, 3) if e.is_segment else None)
             seen = audio.get(key)
             if by_id and ids.get(e.id, (k,))[0] != k:  # within one part: read_entries' own check
-                problems.append(Problem(e.source, e.line, e.id, f"duplicate id (also {ids[e.id][1]}): it would "
-                                                                "train twice an epoch"))
+                problems.append(Problem(e.source, e.line, e.id, f"duplicate id (also {ids[e.id][1]}): {why}"))
             elif seen is not None and seen[0] != e.source and seen[2] != e.id:
                 problems.append(Problem(e.source, e.line, e.id, f"duplicate audio: {e.audio_filepath} is also "
-                                        f"{seen[1]} (id {seen[2]}): it would train twice an epoch"))
+                                        f"{seen[1]} (id {seen[2]}): {why}"))
             else:
                 ids.setdefault(e.id, (k, where))
                 audio.setdefault(key, (e.source, where, e.id))
