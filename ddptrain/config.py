@@ -675,7 +675,7 @@ def _extra_attributes(obj: Any) -> list[str]:
     """Attributes set on a dataclass instance that are none of its fields (a typo in Python:
     ``cfg.trainer.max_step = 5``); private names (``_ddptrain_checked``) are the library's."""
     fields = {f.name for f in dataclasses.fields(obj)}
-    return [k for k in vars(obj) if k not in fields and not k.startswith("_")]
+    return [k for k in getattr(obj, "__dict__", ()) if k not in fields and not k.startswith("_")]  # slots: none
 
 
 def _did_you_mean(word: str, known, prefix: str = "") -> str:
@@ -844,7 +844,8 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
             raise ConfigError(f"{origin}: '{key}' is no longer a config key: {REMOVED_KEYS[key]}") from None
         section, _, leaf = str(key).rpartition(".")
         node = OmegaConf.select(base, section) if section else base
-        guess = _did_you_mean(leaf, node.keys(), section + "." if section else "") if isinstance(node, DictConfig) else ""
+        known = node.keys() if isinstance(node, DictConfig) else ()
+        guess = _did_you_mean(leaf, known, section + "." if section else "")
         raise ConfigError(f"{origin}: unknown config key '{key}' (check the spelling against "
                           f"the dataclasses in ddptrain/config.py){guess}") from None
     except ValidationError as e:

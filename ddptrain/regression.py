@@ -143,9 +143,10 @@ class RegressionGate:
         """
         sources = list(map(str, sources))
         if not self._per_source(result, sources):
+            produced = self._produced(result, sources) or "none (metrics_fn returns no <metric>/<source>)"
             raise ConfigError(f"eval.regression_metric={self.metric!r} is not a metric this run's evaluation produces "
                               f"per eval source ({self.metric}/<source> for a source of {sources}); it produces "
-                              f"per source: {self._produced(result, sources) or 'none (metrics_fn returns no <metric>/<source>)'}")
+                              f"per source: {produced}")
         self.checked = True
 
     def review(self, result: dict, step: int, sources: Iterable[str], say: Callable[[str], None]) -> dict:
