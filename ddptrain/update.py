@@ -192,7 +192,8 @@ class StepUpdate:
             if self.master:
                 self.master.drop_master_grads()  # the fp32 masters' (the ones that are not the model's)
             return
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.offloaded:  # offload: only its worker thread gives the masters gradients, and drops them
+            self.optimizer.zero_grad(set_to_none=True)
         if self.master:
             self.master.zero_model_grads()
 
