@@ -81,8 +81,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     if name in ("adamw", "adam"):
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
         mode = str(cfg.fused).lower()  # a CLI override `optim.fused=true` arrives as "True"
-        # offloaded masters are updated on the host: torch's fused CPU AdamW is multi-threaded
-        fused = (device.type == "cuda" or getattr(param_map, "offloaded", False)) if mode == "auto" else mode == "true"
+        # auto: the kernel of the on-device update, also for masters offloaded to the host (on a
+        # GPU torch's fused CPU AdamW, multi-threaded; on a CPU device foreach: then the offloaded
+        # update is bitwise the on-device one, ddptrain/offload.py)
+        fused = device.type == "cuda" if mode == "auto" else mode == "true"
         kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
         if not fused:
             kwargs["foreach"] = True  # one multi-tensor kernel per group instead of a loop over params

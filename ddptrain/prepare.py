@@ -95,7 +95,10 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
                 raise ConfigError("optim.offload=cpu on several processes shards the masters as optim.zero "
                                   "does: set optim.zero=true (a resume may then turn the offload off)")
             # ema.enabled: its fp32 copy sits beside the masters on the host (ema.device=gpu is refused with offload)
-            master = offload.prepare(model, cfg.optim.offload_chunk_mb, device, host_ema=cfg.ema.enabled)
+            # the host update overlaps the next forward: hooks on the compiled/recomputed blocks
+            # or around them, none under a whole-model compile (dynamo would trace them)
+            master = offload.prepare(model, cfg.optim.offload_chunk_mb, device, host_ema=cfg.ema.enabled,
+                                     regions=[*recomputed, *compiled], hooks=not cfg.compile.enabled or bool(compiled))
         else:
             master = (ShardedMasterWeights if sharded else MasterWeights)(model, torch.bfloat16)
     streamed = stream_base(model, cfg, device, recomputed)  # after the masters' casts, before DDP

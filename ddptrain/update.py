@@ -85,10 +85,30 @@ class StepUpdate:
         self.report = HostReport(device)
 
     def before_backward(self, last: bool) -> None:
-        """Called before each micro-batch's backward: during the step's last one, an offloaded
-        master on one rank (ddptrain/offload.py) takes each gradient to the host as it is made."""
-        if self.offloaded and self.master.streams:
-            self.master.streaming = last
+        """Called before each micro-batch's forward and backward: the forward waits for the
+        weights of the host update in flight that no block's hook covers; during the step's last
+        backward, an offloaded master on one rank (ddptrain/offload.py) takes each gradient to the
+        host as it is made."""
+        if self.offloaded:
+            self.master.before_forward()
+            if self.master.streams:
+                self.master.streaming = last
+
+    def settle(self) -> None:
+        """Wait for the last step's update to finish (an offloaded master's runs on the host while
+        the next forward starts): call it before reading weights, masters or optimizer state
+        between two steps (evaluation, the EMA, a checkpoint).
+
+        Raises:
+            RuntimeError: the host update failed (ddptrain/offload.py).
+        """
+        if self.offloaded:
+            self.master.settle()
+
+    def close(self) -> None:
+        """Finish the update in flight: no thread of it outlives the Trainer."""
+        if self.offloaded:
+            self.master.close()
 
     def __call__(self, loss_sum: torch.Tensor, units_dev: torch.Tensor, units_host: float,
                  negative: torch.Tensor, preempt: bool, unit_scale: float) -> dict:
@@ -172,7 +192,8 @@ class StepUpdate:
             if self.master:
                 self.master.drop_master_grads()  # the fp32 masters' (the ones that are not the model's)
             return
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.offloaded:  # offload: only its worker thread gives the masters gradients, and drops them
+            self.optimizer.zero_grad(set_to_none=True)
         if self.master:
             self.master.zero_model_grads()
 

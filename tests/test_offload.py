@@ -1,15 +1,20 @@
 """Optimizer offload (optim.offload=cpu, ddptrain/offload.py) against the on-device update.
 
 On CPU the offload path runs its whole machinery (partition, staging buffer, chunked host
-update with the optimizer's own step, broadcast of each owner's weights) without streams. Both
-sides use torch's fused AdamW (``optim.fused=true``) so the arithmetic is the same kernel on the
-same fp32 masters and bf16 gradients: the tests ask for bitwise equality.
+update with the optimizer's own step, broadcast of each owner's weights) without streams, and
+the host update on its worker thread while the next forward runs (each block waiting for its own
+chunks). Both sides run the same AdamW kernel on the same fp32 masters and bf16 gradients (fused
+with ``optim.fused=true``, foreach with the default on a CPU device): the tests ask for bitwise
+equality.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -294,3 +299,219 @@ def test_a_preflight_step_that_fails_mid_backward_leaves_the_offload_nothing(tmp
     assert after_losses == clean_losses
     for k, v in clean.items():
         assert torch.equal(after[k], v), k
+
+
+# ----------------------------------------------------------------------------- the update off the critical path
+
+class Stack(torch.nn.Module):
+    """Blocks in a ModuleList (the offload's forward hooks go on them), used in the reverse of their
+    registration order, between an input and an output layer that no block holds; LayerNorm keeps
+    a second, fp32 bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(FEAT, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+                                                              torch.nn.GELU()) for _ in range(3))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in reversed(self.blocks):
+            h = h + block(h)
+        return self.out(h).squeeze(-1)
+
+
+class _Poisoned:
+    """frame_loss, but infinite on the given calls (a skipped step)."""
+
+    def __init__(self, calls=()):
+        self.calls, self.n = set(calls), 0
+
+    def __call__(self, model, batch):
+        loss, units = frame_loss(model, batch)
+        self.n += 1
+        return (loss * float("inf") if self.n in self.calls else loss), units
+
+
+def _slow_host_step(monkeypatch, seconds=0.01):
+    """Each chunk's host update takes a while: the next forward surely starts before it ends."""
+    import ddptrain.offload as offload
+
+    real = offload._step
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    monkeypatch.setattr(offload, "_step", slow)
+
+
+def _run_stack(out, run, data, *extra, loss=None, overlap=True, seen=None):
+    torch.manual_seed(0)
+    model = Stack()
+    cfg = make_cfg(os.path.join(out, run), f"trainer.max_steps={STEPS}", "checkpoint.every_steps=10",
+                   "checkpoint.keep_last=0", *BF16, *extra)
+    losses = []
+    with ddptrain.Trainer(model, loss or _Poisoned(), cfg, data) as trainer:
+        real, master = trainer.train_step, trainer.master
+        if master is not None and getattr(master, "offloaded", False):
+            master.overlap = overlap
+            wait = master._wait
+
+            def counted(c):  # a wait that found its chunk's update still running on the host
+                seen.append(not c.ready.is_set())
+                wait(c)
+
+            if seen is not None:
+                master._wait = counted
+
+        def step(micro):
+            out_ = real(micro)
+            losses.append(out_["loss_sum"])
+            return out_
+
+        trainer.train_step = step
+        trainer.fit()
+        skipped = trainer.skipped_steps
+    return params_of(model), losses, master, skipped
+
+
+@pytest.mark.timeout(180)
+def test_offload_overlapped_update_equals_the_waiting_one_and_the_on_device_one_bitwise(tmp_path, monkeypatch):
+    """The host update runs on a worker thread while the next step's forward starts; each block
+    waits for its own chunks. 20 steps with accumulation 2, clipping, a skipped non-finite step
+    and a resume at step 10: bitwise the on-device update and the offload that waits for the whole
+    update, though the forward did run into chunks still being updated."""
+    data = _data_one_rank()
+    poison = (15,)  # step 8's first micro-batch: that step is skipped
+    plain, plain_losses, _, plain_skipped = _run_stack(tmp_path, "plain", data, loss=_Poisoned(poison))
+    waiting, waiting_losses, _, _ = _run_stack(tmp_path, "waiting", data, *SMALL_CHUNKS, loss=_Poisoned(poison),
+                                               overlap=False)
+    _slow_host_step(monkeypatch)
+    seen = []
+    over, over_losses, master, over_skipped = _run_stack(tmp_path, "over", data, *SMALL_CHUNKS,
+                                                         loss=_Poisoned(poison), seen=seen)
+    assert plain_skipped == over_skipped == 1
+    assert not math.isfinite(plain_losses[7])
+    # the forward hooks sit on the three blocks; the chunks follow the forward: input and output
+    # layers first (waited for before the forward), then the blocks in the reverse of their registration
+    assert master.blocks == list(Stack().blocks) or len(master.blocks) == 3
+    assert master._entered == [2, 1, 0]
+    first = {}
+    for i, c in enumerate(master.chunks):
+        for p in c.params:
+            first.setdefault(id(p), i)
+    block = [min(first[id(p)] for p in ps) for ps in master._block_params]
+    assert block[2] < block[1] < block[0]
+    assert all(c in master.chunks[:len(master._early)] for c in master._early)
+    assert len(master.chunks) > 6
+    assert any(seen), "no forward ran into an update still in flight: the test shows no overlap"
+    assert master._thread is None
+    assert waiting_losses[:7] == plain_losses[:7] and waiting_losses[8:] == plain_losses[8:]
+    assert over_losses[:7] == plain_losses[:7] and over_losses[8:] == plain_losses[8:]
+    for k, v in plain.items():
+        assert torch.equal(waiting[k], v) and torch.equal(over[k], v), k
+    final = f"checkpoints/step_{STEPS:08d}"
+    a = load_file(str(tmp_path / "plain" / final / "model.safetensors"))
+    b = load_file(str(tmp_path / "over" / final / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    mid = tmp_path / "over" / "checkpoints" / "step_00000010"
+    resumed, resumed_losses, _, _ = _run_stack(tmp_path, "resumed", data, *SMALL_CHUNKS, f"checkpoint.resume={mid}")
+    assert resumed_losses == plain_losses[10:]
+    for k, v in plain.items():
+        assert torch.equal(resumed[k], v), k
+
+
+@pytest.mark.timeout(120)
+def test_offload_host_update_error_surfaces_at_the_next_wait_and_leaves_no_thread(tmp_path, monkeypatch):
+    """An exception on the worker thread is raised in the training thread at its next wait (a
+    block's forward hook here), chained; the with-block ends without a hang and no thread of the
+    update is left; the error is not raised twice."""
+    import ddptrain.offload as offload
+
+    real, calls = offload._step, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 9:
+            raise ValueError("host update broke (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(offload, "_step", failing)
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path / "run", f"trainer.max_steps={STEPS}", *BF16, *SMALL_CHUNKS)
+    with pytest.raises(RuntimeError, match="host update of the optimizer") as err:
+        with ddptrain.Trainer(Stack(), frame_loss, cfg, _data_one_rank()) as trainer:
+            trainer.fit()
+    chain, e = [], err.value
+    while e is not None:  # raised at a block's hook inside the loop's forward (which names the step), or before it
+        chain.append(e)
+        e = e.__cause__
+    assert any(isinstance(e, ValueError) and "simulated" in str(e) for e in chain), chain
+    assert 0 < trainer.step < STEPS
+    assert not [t for t in threading.enumerate() if t.name.startswith("ddptrain-offload")]
+
+
+@pytest.mark.timeout(120)
+def test_offload_interrupted_run_finishes_its_host_update_and_leaves_no_thread(tmp_path, monkeypatch):
+    """A KeyboardInterrupt in the forward while the host update is in flight: the with-block's
+    close finishes that update (the weights are the last step's) and no thread is left."""
+    _slow_host_step(monkeypatch, 0.05)
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path / "run", f"trainer.max_steps={STEPS}", *BF16, *SMALL_CHUNKS)
+    in_flight = []
+
+    def interrupted(model, batch, n=[0]):
+        n[0] += 1
+        if n[0] == 7:  # step 4's first forward: step 3's update is on the host
+            in_flight.append(trainer.master._thread is not None and trainer.master._thread.is_alive())
+            raise KeyboardInterrupt
+        return frame_loss(model, batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        with ddptrain.Trainer(Stack(), interrupted, cfg, _data_one_rank()) as trainer:
+            trainer.fit()
+    assert in_flight == [True]
+    assert trainer.master._thread is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("ddptrain-offload")]
+    assert all(torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in trainer.master.to_master.items())
+
+
+@pytest.mark.timeout(120)
+def test_offload_equals_the_on_device_update_with_the_default_optimizer_kernel(tmp_path):
+    """optim.fused=auto on a CPU device: the offloaded update runs the on-device path's kernel
+    (foreach AdamW, the factor multiplied into the gradients), so the two agree bitwise."""
+    data = _data_one_rank()
+    default = ("optim.fused=auto", "trainer.grad_accum_steps=1", "trainer.clip_grad_norm=0")
+    plain, plain_losses, _ = _run(tmp_path, "plain", data, *default)
+    off, off_losses, master = _run(tmp_path, "off", data, *default, *SMALL_CHUNKS)
+    assert isinstance(master, OffloadedMasters)
+    assert off_losses == plain_losses
+    for k, v in plain.items():
+        assert torch.equal(off[k], v), k
+    final = f"checkpoints/step_{STEPS:08d}/model.safetensors"  # the fp32 masters
+    a, b = load_file(str(tmp_path / "plain" / final)), load_file(str(tmp_path / "off" / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_offload_host_memory_need_counts_the_scratch_this_rank_needs(tmp_path, monkeypatch):
+    """A 300-parameter model with the default 256 MB chunks needs a few KB of fp32 scratch, not
+    a whole chunk's 0.5 GiB: it starts on a host with 1.3 GiB free (1 GiB of it kept free); the
+    message names each part of the need."""
+    import ddptrain.process as process
+    from ddptrain.offload import scratch_elems
+
+    assert scratch_elems([10, 30, 20], 2**27) == 60 and scratch_elems([10, 30, 20], 25) == 25 - 1 + 30
+    assert scratch_elems([], 5) == 0
+    monkeypatch.setattr(process, "available_host_memory", lambda *a, **k: int(1.3 * 2**30))
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path / "run", "trainer.max_steps=1", *BF16, "optim.offload=cpu")
+    with ddptrain.Trainer(FrameMLP(), frame_loss, cfg, _data_one_rank()) as trainer:
+        n = sum(p.numel() for p in trainer.master.trainable)
+        assert trainer.master.host_bytes() <= n * 18
+    monkeypatch.setattr(process, "available_host_memory", lambda *a, **k: 1024)
+    with pytest.raises(ConfigError, match="fp32 masters .* AdamW moments .* bf16 staging .* fp32 gradient scratch"):
+        ddptrain.Trainer(FrameMLP(), frame_loss, make_cfg(tmp_path / "run2", *BF16, "optim.offload=cpu"),
+                         _data_one_rank())
