@@ -568,11 +568,12 @@ class TTSTrainer(ddptrain.Trainer):
     samples: Optional[SampleWriter] = None
     eval_seed: int = 0
 
-    def evaluate(self, data=None, prefix: str = "eval", max_batches: int = 0) -> dict:
+    def evaluate(self, data=None, prefix: str = "eval", max_batches: int = 0, name: str = "") -> dict:
+        """:meth:`ddptrain.Trainer.evaluate` (its arguments) under ``tts.eval_seed``, then samples."""
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # training's random stream continues untouched
             torch.manual_seed(self.eval_seed)
-            result = super().evaluate(data, prefix, max_batches)
+            result = super().evaluate(data, prefix, max_batches, name=name)
             if data is None and not max_batches and self.samples is not None and self.info.is_main:
                 with self.precision.autocast():
                     self.samples(self.module, self.progress.step, self.logger)
