@@ -667,6 +667,10 @@ def main(argv: list[str]) -> dict:
     if info.is_main:
         runfolder.write_file(cfg.trainer.output_dir, cfg.tts.report, json.dumps(summary, indent=1))
         print(json.dumps(summary, indent=1))
+        out = cfg.trainer.output_dir  # where a new user looks for the outputs: said last
+        print(f"report: {os.path.join(out, cfg.tts.report)}; logs: {os.path.join(out, 'metrics.jsonl')}"
+              + (f", TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}"
+                 if cfg.logging.tensorboard else ""))
     ddptrain.dist.teardown()
     return summary
 
