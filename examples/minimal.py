@@ -24,5 +24,4 @@ def loss_fn(model, batch):  # the loss contract: (sum over units, number of unit
     return ((model(x).squeeze(-1) - y) ** 2).sum(), len(y)
 
 result = ddptrain.Trainer(model, loss_fn, cfg, loader, eval_data=loader).fit()  # every rank gets it
-if info.is_main:
-    print(result)
+if info.is_main: print(result)
