@@ -13,6 +13,11 @@ file per adapter, loaded on top of a base kept once), and one file written a ten
     python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16] [--weights model]
     python -m ddptrain.weights adapters runs/x/checkpoints/step_00001000 out_dir/ [--name lora_weights.safetensors]
 
+An export never writes inside a checkpoint folder (its checksums would fail the next resume) nor
+over what it reads; it refuses a non-empty ``out_dir`` (an adapters file that exists) unless
+``--force``, which empties the folder first so no earlier file sits beside the new weights
+(:func:`check_output`).
+
 Why it sits above checkpoint.py: a weights path may name a checkpoint or a run folder (its
 newest complete checkpoint), and a file in a checkpoint is checked against the folder's
 ``SHA256SUMS`` before it is read, so this module asks checkpoint.py about folders. checkpoint.py
