@@ -20,8 +20,8 @@ $(STAMP): setup.py
 
 install: $(STAMP)  ## create .venv with torch==2.11.0, torchaudio==2.11.0 and ddptrain (editable)
 
-test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo)
-	$(PYBIN) -m pytest -q tests
+test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo): each test as it runs, the 15 slowest at the end
+	$(PYBIN) -m pytest -v --durations=15 tests
 
 # a previous demo run is not deleted: checkpoint.start_over moves its files to runs/asr_demo/*/archive/ and says so
 demo: $(STAMP)  ## install, then run the main job: the two-stage ASR demo on the shipped data (CPU)

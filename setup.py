@@ -21,9 +21,11 @@ setup(
         "tqdm",
     ],
     # transformers: the GLM-ASR and Whisper/wav2vec2 recipes (examples/) and their tests; ddptrain never imports it.
+    # accelerate: transformers 5's Trainer refuses to run without it (the HF peers and parity checks in bench/, tests/)
     # einops, pydantic: what VoxCPM's model code needs (the TTS recipe); `make install` adds voxcpm itself with
     # --no-deps, since its declared dependencies are its whole TTS app (gradio, funasr, modelscope, ...)
-    extras_require={"dev": ["pytest", "pytest-timeout", "transformers>=5.0", "einops", "pydantic>=2"]},
+    extras_require={"dev": ["pytest", "pytest-timeout", "transformers>=5.0", "accelerate>=1.1", "einops",
+                            "pydantic>=2"]},
     # the `python -m ddptrain.X` tools as commands (tests/test_entry_points.py: one per tool, each target callable)
     entry_points={"console_scripts": [
         "ddptrain-average = ddptrain.average:main",

@@ -28,7 +28,23 @@ first), divided by N, cast to the dtype they are stored in (``--dtype`` to anoth
 tensors (BatchNorm's ``num_batches_tracked``) come from the newest checkpoint. Memory: one tensor
 at a time, read from each checkpoint, summed and written (:func:`ddptrain.weights.save_streamed`).
 The checkpoints must be of one model: another tensor name, shape or dtype, LoRA set-up or base
-model is refused, naming the file and the tensor.
+model is refused, naming the file and the tensor. Fewer than two checkpoints, or a run folder
+without ``--last`` / ``--best``, are refused (a "average" of one is a copy:
+``python -m ddptrain.weights export`` writes one checkpoint's weights).
+
+LoRA adapters (``lora.enabled``; full or trainable-only checkpoints): a layer's update is
+``scaling * B @ A``, and the mean of the N checkpoints' updates is not ``mean(B) @ mean(A)``
+(the cross terms; measured 8e-4 off against 0.035 between two checkpoints). The average holds
+the exact mean instead, as one adapter of rank N*r: ``A`` = the N ``A`` stacked (rows), ``B`` =
+the N ``B`` side by side (columns) divided by N, so ``scaling * B @ A = mean(scaling * B_i @ A_i)``
+(PEFT's ``add_weighted_adapter(combination_type="cat")``). ``ddptrain.load_weights`` adds an
+adapter of that rank to a model without adapters (``examples/evaluate.py --weights`` does), and
+``python -m ddptrain.weights export`` merges it into the base; to train on from it, export the
+merged weights and use them as the base model.
+
+The output: never inside a checkpoint folder (it would change that checkpoint's files) nor one
+of the inputs; an existing file is replaced only with ``--force``
+(:func:`ddptrain.weights.check_output`).
 """
 
 from __future__ import annotations
@@ -43,8 +59,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ddptrain.checkpoint import CheckpointError, checkpoint_root, list_complete, read_meta, run_id_of
-from ddptrain.weights import DTYPES, SafetensorsSource, checkpoint_ema, read_header, save_streamed, weights_file, \
-    weights_info
+from ddptrain.config import cli_prog
+from ddptrain.weights import DTYPES, SafetensorsSource, check_output, checkpoint_ema, read_header, save_streamed, \
+    weights_file, weights_info
 
 __all__ = ["select", "average", "main"]
 
@@ -108,29 +125,36 @@ def select(run: str, last: int = 0, best: int = 0, metric: Optional[str] = None,
     return [(path, value) for _, _, path, value in sorted(chosen, key=lambda c: c[1])]
 
 
-def average(checkpoints: list[str], out: str, weights: str = "auto", dtype: Optional[str] = None) -> dict:
+def average(checkpoints: list[str], out: str, weights: str = "auto", dtype: Optional[str] = None,
+            force: bool = False) -> dict:
     """Average the weights of ``checkpoints`` (in this order; the last counts as the newest) into
     the safetensors file ``out``.
 
     Args:
-        checkpoints: checkpoint folders (or weights files).
+        checkpoints: two or more checkpoint folders (or weights files).
         weights: ``model`` | ``ema`` | ``auto`` (see the module docstring).
         dtype: ``bf16`` | ``fp16`` | ``fp32`` for the floating tensors; default: as stored.
+        force: replace ``out`` if it exists.
 
     Returns:
-        ``{"written": out, "averaged": [files], "weights": "ema" | "model"}``.
+        ``{"written": out, "averaged": [files], "weights": "ema" | "model"}``, and for LoRA
+        checkpoints ``"lora": {"layers": n, "rank": "r -> N*r"}`` (see the module docstring).
 
     Raises:
-        CheckpointError: an unreadable checkpoint, or checkpoints that are not of one model (the
-            message names the file and the tensor); ``auto`` over checkpoints of which only some
-            measured their EMA.
+        CheckpointError: fewer than two checkpoints; an unreadable checkpoint, or checkpoints that
+            are not of one model (the message names the file and the tensor); ``auto`` over
+            checkpoints of which only some measured their EMA; an ``out`` that is inside a
+            checkpoint, is an input, is a folder, or exists (without ``force``).
     """
-    if not checkpoints:
-        raise CheckpointError("nothing to average: no checkpoints given")
+    if len(checkpoints) < 2:
+        raise CheckpointError(f"averaging needs two or more checkpoints, got {len(checkpoints)} ({checkpoints}): "
+                              "an average of one is a copy (`python -m ddptrain.weights export CKPT OUT/` writes one "
+                              "checkpoint's weights)")
     files = [weights_file(c) for c in checkpoints]
     twice = sorted({f for f in files if files.count(f) > 1})
     if twice:
         raise CheckpointError(f"checkpoints given twice: {twice}")
+    check_output(out, files, force=force)
     emas = [checkpoint_ema(f, weights) for f in files]
     if weights == "auto" and any(emas) and not all(emas):
         plain = [f for f, e in zip(files, emas) if not e]
@@ -162,15 +186,26 @@ def average(checkpoints: list[str], out: str, weights: str = "auto", dtype: Opti
         cast = DTYPES[dtype] if dtype else None
         out_dtype = {k: cast if cast is not None and sources[0].dtype(k).is_floating_point else sources[0].dtype(k)
                      for k in names}
+        # LoRA pairs are stacked along their rank, not averaged (see the module docstring)
+        layers = {k[: -len(".lora_A")] for k in names if k.endswith(".lora_A")} & set(info["lora_scalings"])
+        stacked = {f"{layer}.lora_{ab}": 0 if ab == "A" else 1 for layer in layers for ab in "AB"}  # key -> dim
+        shape = {k: list(sources[0].shape(k)) for k in names}
+        ranks = sorted({shape[f"{layer}.lora_A"][0] for layer in layers})
+        for k, dim in stacked.items():
+            shape[k][dim] *= len(sources)
 
         def averaged():
             for k in names:
                 if not sources[0].dtype(k).is_floating_point:
                     yield sources[-1].get(k)  # a counter: the newest checkpoint's
                     continue
+                parts = (ema[k] if k in ema else src.get(k) for src, ema in zip(sources, emas))
+                if k in stacked:  # A: the N A's as rows; B: the N B's as columns, / N
+                    t = torch.cat([p.to(torch.float32) for p in parts], dim=stacked[k])
+                    yield (t.div_(len(sources)) if k.endswith(".lora_B") else t).to(out_dtype[k])
+                    continue
                 total = None
-                for src, ema in zip(sources, emas):
-                    t = ema[k] if k in ema else src.get(k)
+                for t in parts:
                     if total is None:
                         total = t.to(torch.float32, copy=True)
                     else:
@@ -181,44 +216,63 @@ def average(checkpoints: list[str], out: str, weights: str = "auto", dtype: Opti
             "ddptrain.averaged_from": json.dumps([os.path.abspath(f) for f in files]),
             "ddptrain.weights": "ema" if emas[0] else "model"})
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        save_streamed(out, [(k, out_dtype[k], sources[0].shape(k)) for k in names], averaged(), metadata)
+        save_streamed(out, [(k, out_dtype[k], tuple(shape[k])) for k in names], averaged(), metadata)
     finally:
         for src in sources:
             src.close()
-    return {"written": out, "averaged": list(checkpoints), "weights": "ema" if emas[0] else "model"}
+    report = {"written": out, "averaged": list(checkpoints), "weights": "ema" if emas[0] else "model"}
+    if layers:
+        report["lora"] = {"layers": len(layers), "rank": f"{'/'.join(map(str, ranks))} -> "
+                                                         f"{'/'.join(str(r * len(sources)) for r in ranks)}"}
+    return report
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``ddptrain-average`` (``python -m ddptrain.average``): see the module docstring."""
-    p = argparse.ArgumentParser(prog="python -m ddptrain.average",
+    p = argparse.ArgumentParser(prog=cli_prog("ddptrain.average"),
                                 description="Average the weights of a run's last N or best N checkpoints (or of the "
                                             "checkpoint folders given) into one safetensors file, one tensor at a time.")
     p.add_argument("paths", nargs="+", help="a run folder (with --last or --best), or the checkpoint folders to average")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--last", type=int, default=0, metavar="N", help="the N newest checkpoints of the run")
-    which.add_argument("--best", type=int, default=0, metavar="N", help="the N best checkpoints by --metric")
+    which.add_argument("--last", type=int, default=None, metavar="N", help="the N (2 or more) newest checkpoints of "
+                                                                          "the run")
+    which.add_argument("--best", type=int, default=None, metavar="N", help="the N (2 or more) best checkpoints by "
+                                                                          "--metric")
     p.add_argument("--metric", default=None, help="the meta.json metric --best ranks by (default: the run's "
                                                   "checkpoint.best_metric)")
     p.add_argument("--mode", choices=["min", "max"], default=None, help="min: lower is better (default: the run's "
                                                                         "checkpoint.best_mode)")
-    p.add_argument("-o", "--output", required=True, help="the safetensors file to write")
+    p.add_argument("-o", "--output", required=True, help="the safetensors file to write (not inside a checkpoint)")
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
     p.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
                    help="ema: each checkpoint's EMA weights; model: its trained weights; auto (default): the EMA when "
                         "the checkpoints' evaluation measured it")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating tensors (default: as stored)")
     args = p.parse_args(argv)
-    if (args.last or args.best) and len(args.paths) != 1:
+    picked = args.last if args.last is not None else args.best
+    if picked is not None and len(args.paths) != 1:
         p.error("--last / --best take one run folder")
-    if args.last < 0 or args.best < 0:
-        p.error("--last / --best take a number > 0")
+    if picked is not None and picked < 2:
+        p.error(f"--{'last' if args.last is not None else 'best'} {picked}: averaging takes 2 or more checkpoints "
+                "(one checkpoint's weights: python -m ddptrain.weights export CKPT OUT/)")
     values: dict = {}
-    if args.last or args.best:
-        chosen = select(args.paths[0], args.last, args.best, args.metric, args.mode)
-        paths = [c for c, _ in chosen]
-        values = {c: v for c, v in chosen if v is not None}
-    else:
-        paths = args.paths
-    report = average(paths, args.output, args.weights, args.dtype)
+    try:
+        if picked is not None:
+            chosen = select(args.paths[0], args.last or 0, args.best or 0, args.metric, args.mode)
+            paths = [c for c, _ in chosen]
+            values = {c: v for c, v in chosen if v is not None}
+        else:
+            runs = [r for r in args.paths if os.path.isdir(r) and not os.path.isfile(os.path.join(r, "model.safetensors"))
+                    and (list_complete(r) or list_complete(checkpoint_root(r)))]
+            if runs:
+                p.error(f"{runs[0]} is a run folder (or its checkpoints folder): pick its checkpoints with --last N or "
+                        "--best N, or pass the checkpoint folders to average")
+            if len(args.paths) < 2:
+                p.error("give two or more checkpoint folders (or --last N / --best N with a run folder)")
+            paths = args.paths
+        report = average(paths, args.output, args.weights, args.dtype, args.force)
+    except CheckpointError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
     if values:
         report["metric"] = values
     print(json.dumps(report, indent=1))

@@ -945,9 +945,20 @@ def reference_markdown(schema: type = Config) -> str:
     return "\n".join(rows)
 
 
+def cli_prog(module: str) -> str:
+    """The name a ``ddptrain`` tool's usage line shows: the console command it was run as
+    (``ddptrain-average``, from setup.py's ``console_scripts``), else ``python -m <module>``.
+
+    Args:
+        module: the tool's module, e.g. ``ddptrain.average``.
+    """
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("ddptrain-") else f"python -m {module}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``ddptrain-config`` (``python -m ddptrain.config``): print the config reference."""
-    argparse.ArgumentParser(prog="ddptrain-config", description="Print every config key with its default, accepted "
+    argparse.ArgumentParser(prog=cli_prog("ddptrain.config"), description="Print every config key with its default, accepted "
                             "values and meaning, as the Markdown table of docs/config.md.").parse_args(argv)
     print(reference_markdown())
     return 0

@@ -27,6 +27,10 @@ import torch
 from ddptrain.config import LoggingConfig
 from ddptrain.throughput import ThroughputWindow
 
+# Left out of the printed line (not of metrics.jsonl or TensorBoard) where they say nothing: model
+# FLOP/s and MFU off a GPU (no peak to compare with), and a loss scale of 1 (no fp16 scaler).
+GPU_ONLY = ("tflops_per_gpu", "mfu")
+
 
 class RunLogger:
     """Writes scalars to TensorBoard, ``metrics.jsonl`` and the console (rank 0 only).
@@ -90,7 +94,9 @@ class RunLogger:
                 self.jsonl.write(json.dumps(record) + "\n")
             except OSError as e:
                 self._drop("jsonl", self.jsonl_path, e)
-        text = " ".join(f"{k}={_fmt(v)}" for k, v in clean.items())
+        gpu = self.window.device.type != "cpu"
+        text = " ".join(f"{k}={_fmt(v)}" for k, v in clean.items()
+                        if (gpu or k not in GPU_ONLY) and not (k == "loss_scale" and v == 1.0))
         self.print(f"[{prefix} {name} step {step}] {text}" if name else f"[{prefix} step {step}] {text}")
 
     def step_done(self, step: int, loss_sum: float, units: float, wait_s: float, last: bool,

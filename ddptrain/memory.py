@@ -102,7 +102,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ddptrain.config import Config, ConfigError, load_config
+from ddptrain.config import Config, ConfigError, cli_prog, load_config
 from ddptrain.contract import to_device
 from ddptrain.ema import CHUNK_ELEMS as EMA_CHUNK_ELEMS
 from ddptrain.optim import param_groups
@@ -630,7 +630,7 @@ def _config_from(path: str, overrides: Sequence[str]):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddptrain.memory",
+    p = argparse.ArgumentParser(prog=cli_prog("ddptrain.memory"),
                                 description="Per-GPU model-state memory of a ddptrain run (params, grads, "
                                             "optimizer state, DDP buckets), with or without ZeRO, sharded "
                                             "gradients, optimizer offload or a streamed frozen base, and the host "

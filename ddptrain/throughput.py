@@ -10,7 +10,8 @@ steps since the previous logged one:
 * ``tflops_per_gpu`` with ``Trainer(flops_fn=...)`` (model FLOPs of forward + backward of each
   micro-batch, recomputation not counted), and ``mfu``: that over the GPU's dense bf16 peak
   (:data:`PEAK_BF16_TFLOPS` by device name, or ``logging.peak_tflops``). On CPU, or a GPU the
-  table does not know, MFU is left out rather than guessed;
+  table does not know, MFU is left out rather than guessed (and off a GPU the printed line leaves
+  ``tflops_per_gpu`` out too; metrics.jsonl keeps it: ddptrain/logging.py);
 * ``data_wait_frac``: rank 0's share of the wall time spent waiting for its loader, and with
   several ranks ``data_wait_frac_min`` / ``_max`` over the ranks;
 * with DDP on several ranks, ``allreduce_frac_min`` / ``_max``: each rank's share of the wall time

@@ -58,7 +58,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ddptrain import dist
-from ddptrain.config import Config, ConfigError, check_config, load_config
+from ddptrain.config import Config, ConfigError, check_config, cli_prog, load_config
 from ddptrain.data.sampler import padded_cost
 from ddptrain.preflight import (GB, Bucket, CudaMemory, PreflightError, before_fit, bucket_sampler, device_meter,
                                 is_oom, loader_batches, lr_zero, preflight, release, sampler_buckets, train_once)
@@ -275,7 +275,7 @@ def load_recipe(path: str):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddptrain.tune", description=__doc__,
+    parser = argparse.ArgumentParser(prog=cli_prog("ddptrain.tune"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True, help="recipe file with build(cfg) (see above)")
     parser.add_argument("--config", help="the training YAML config; key=value overrides follow")

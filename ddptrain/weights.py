@@ -13,6 +13,11 @@ file per adapter, loaded on top of a base kept once), and one file written a ten
     python -m ddptrain.weights export runs/x/checkpoints/step_00001000 out_dir/ [--dtype bf16] [--weights model]
     python -m ddptrain.weights adapters runs/x/checkpoints/step_00001000 out_dir/ [--name lora_weights.safetensors]
 
+An export never writes inside a checkpoint folder (its checksums would fail the next resume) nor
+over what it reads; it refuses a non-empty ``out_dir`` (an adapters file that exists) unless
+``--force``, which empties the folder first so no earlier file sits beside the new weights
+(:func:`check_output`).
+
 Why it sits above checkpoint.py: a weights path may name a checkpoint or a run folder (its
 newest complete checkpoint), and a file in a checkpoint is checked against the folder's
 ``SHA256SUMS`` before it is read, so this module asks checkpoint.py about folders. checkpoint.py
@@ -62,7 +67,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ddptrain.checkpoint import COMPLETE, CheckpointError, checkpoint_root, ensure_intact, find_latest, read_meta
+from ddptrain.checkpoint import CHECKSUMS, COMPLETE, CheckpointError, checkpoint_root, ensure_intact, find_latest, read_meta
+from ddptrain.config import cli_prog
 from ddptrain.ema import saved_ema
 from ddptrain.lora import add_adapters, lora_scalings, merge_tensors
 from ddptrain.precision import kept_fp32
@@ -83,7 +89,7 @@ HEADER_LORA_SCALINGS = "ddptrain.lora_scalings"
 __all__ = ["WEIGHTS", "DTYPES", "unwrap", "weights_file", "read_header", "weights_info", "resolve_base",
            "save_weights", "trainable_keys", "base_fingerprint", "weights_to_save", "read_weights", "load_weights",
            "apply_weights", "resume_keys", "SafetensorsSource", "empty_weights", "load_pretrained", "write_shards",
-           "save_streamed", "checkpoint_ema", "export_merged", "export_adapters", "main"]
+           "save_streamed", "check_output", "clear_folder", "checkpoint_ema", "export_merged", "export_adapters", "main"]
 
 
 # ----------------------------------------------------------------------------- paths and headers
@@ -595,6 +601,80 @@ def load_pretrained(model: nn.Module, path: str, *, dtype: Optional[torch.dtype]
 # ----------------------------------------------------------------------------- exports
 
 
+def _checkpoint_above(path: str) -> Optional[str]:
+    """The ddptrain checkpoint folder ``path`` is (or lies inside), or None: a folder holding a
+    ``COMPLETE`` marker or a ``SHA256SUMS``, as checkpoint.py writes them."""
+    folder = path
+    while True:
+        if os.path.isfile(os.path.join(folder, COMPLETE)) or os.path.isfile(os.path.join(folder, CHECKSUMS)):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def check_output(out: str, inputs: Iterable[str] = (), folder: bool = False, force: bool = False) -> str:
+    """Refuse an output that would destroy data: a path inside a ddptrain checkpoint (its
+    ``SHA256SUMS`` would no longer match: the next resume calls it damaged), one of the files
+    read to make it, or (unless ``force``) an existing file or non-empty folder.
+
+    Args:
+        out: the file (``folder=False``) or folder to write.
+        inputs: the files (or model folders) the output is made from: checkpoints' weights, a base model.
+        folder: ``out`` is a folder (exports) rather than one file (an average, an adapter file).
+        force: replace an existing file; write into a non-empty folder (the caller empties it
+            with :func:`clear_folder`, so no earlier file is left beside the new ones).
+
+    Returns:
+        ``out``'s absolute, symlink-resolved path.
+
+    Raises:
+        CheckpointError: naming ``out`` and what it would destroy.
+    """
+    real = os.path.realpath(out)
+    sources = {os.path.realpath(f) for f in inputs}
+    inside = _checkpoint_above(real if folder else os.path.dirname(real))
+    if inside:
+        raise CheckpointError(f"{out} is inside the checkpoint {inside}: writing there would change that checkpoint's "
+                              "files (its SHA256SUMS would no longer match and the next resume would call it damaged). "
+                              "Write outside the checkpoints folder, e.g. RUN/exports/")
+    if folder:
+        held = sorted(f for f in sources if f == real or f.startswith(real.rstrip(os.sep) + os.sep))
+        if held:
+            raise CheckpointError(f"{out} holds {held[0]}, which this export reads: write to another folder")
+        if os.path.exists(real) and not os.path.isdir(real):
+            raise CheckpointError(f"{out} is a file, not a folder: name a folder to write the weights into")
+        entries = sorted(os.listdir(real)) if os.path.isdir(real) else []
+        if entries and not force:
+            raise CheckpointError(f"{out} is not empty ({', '.join(entries[:5])}{' ...' if len(entries) > 5 else ''}): "
+                                  "its files would sit beside the new weights. Name an empty or new folder, or pass "
+                                  "--force (force=True) to empty it first")
+        subdirs = [e for e in entries if os.path.isdir(os.path.join(real, e))]
+        if entries and subdirs:
+            raise CheckpointError(f"{out} holds folders ({', '.join(subdirs[:5])}): not a weights folder, so --force "
+                                  "does not empty it; name an empty or new folder")
+        return real
+    if real in sources:
+        raise CheckpointError(f"{out} is one of the files read to make it: write to another file")
+    if os.path.isdir(real):
+        raise CheckpointError(f"{out} is a folder: name the .safetensors file to write "
+                              f"(e.g. {os.path.join(out, 'averaged.safetensors')})")
+    if os.path.exists(real) and not force:
+        raise CheckpointError(f"{out} exists: pass --force (force=True) to replace it, or name another file")
+    return real
+
+
+def clear_folder(path: str) -> None:
+    """Remove the files of a folder :func:`check_output` passed with ``force`` (it holds no
+    subfolders), so the export written next is the folder's whole content."""
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if os.path.isfile(os.path.join(path, name)) or os.path.islink(os.path.join(path, name)):
+                os.remove(os.path.join(path, name))
+
+
+
 def write_shards(items: Iterable[tuple[str, torch.Tensor]], out_dir: str, max_shard_bytes: int,
                  metadata: Optional[dict] = None) -> list[str]:
     """Write ``(name, tensor)`` pairs as safetensors shards of at most ``max_shard_bytes`` (a
@@ -722,7 +802,7 @@ def checkpoint_ema(path: str, which: str = "auto") -> dict:
 
 
 def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, max_shard_gb: float = 5.0,
-                  weights: str = "auto") -> list[str]:
+                  weights: str = "auto", force: bool = False) -> list[str]:
     """Write a checkpoint's weights with the adapters merged in, as plain safetensors shards.
 
     The result has the base model's tensor names only (Hugging Face layout: ``model.safetensors``,
@@ -738,15 +818,20 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
         weights: ``auto`` | ``ema`` | ``model``: the checkpoint's EMA weights in place of its
             trained ones (:func:`checkpoint_ema`; ``auto``: when its evaluation measured them),
             in the dtype the checkpoint stores each tensor in.
+        force: write into a non-empty ``out_dir``, emptied first (its files only).
 
     Returns:
         The files written.
 
     Raises:
-        ddptrain.CheckpointError: the checkpoint or its base model cannot be read.
+        ddptrain.CheckpointError: the checkpoint or its base model cannot be read; ``out_dir``
+            is inside a checkpoint, holds what is read, or (without ``force``) is not empty
+            (:func:`check_output`).
     """
     file = weights_file(checkpoint)
     info = weights_info(file)
+    base_path = resolve_base(info["base_model"], file) if info.get("trainable_only") else None
+    check_output(out_dir, [file] + ([base_path] if base_path else []), folder=True, force=force)
     cast = DTYPES[dtype] if dtype else None
     with SafetensorsSource(file) as own:  # checked against the checkpoint's SHA256SUMS here, first
         averaged = checkpoint_ema(file, weights)
@@ -757,6 +842,8 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
         adapter = {k: averaged[k].to(own.dtype(k)) if k in averaged else own.get(k) for k in own.keys()}
     scalings = info.get("lora_scalings", {})
     base = SafetensorsSource(resolve_base(info["base_model"], file)) if info.get("trainable_only") else None
+    if force:
+        clear_folder(out_dir)  # no earlier shard, index or config.json is left beside the new weights
 
     def merged():
         layers = {k[: -len(".lora_A")] for k in adapter if k.endswith(".lora_A")}
@@ -779,7 +866,7 @@ def export_merged(checkpoint: str, out_dir: str, dtype: Optional[str] = None, ma
 
 
 def export_adapters(checkpoint: str, out_dir: str, name: str = "adapters.safetensors", dtype: Optional[str] = None,
-                    weights: str = "auto") -> str:
+                    weights: str = "auto", force: bool = False) -> str:
     """Write a LoRA checkpoint's adapters alone: every ``<layer>.lora_A`` / ``<layer>.lora_B``
     tensor under the model's own names (a trainable-only checkpoint's other trained tensors too,
     e.g. ``lora.trainable``), one safetensors file. Its header makes it a trainable-only weights
@@ -795,15 +882,19 @@ def export_adapters(checkpoint: str, out_dir: str, name: str = "adapters.safeten
         dtype: ``bf16`` | ``fp16`` | ``fp32`` for every floating tensor; default: as stored (the
             fp32 masters under ``trainer.param_dtype: bf16``).
         weights: ``auto`` | ``ema`` | ``model``, as :func:`export_merged`.
+        force: replace an existing file of that name.
 
     Returns:
         The file written.
 
     Raises:
-        ddptrain.CheckpointError: the checkpoint cannot be read, or holds no LoRA adapters.
+        ddptrain.CheckpointError: the checkpoint cannot be read, or holds no LoRA adapters; the
+            file would be inside a checkpoint, is the checkpoint's own, or (without ``force``)
+            exists (:func:`check_output`).
     """
     file = weights_file(checkpoint)
     info = weights_info(file)
+    check_output(os.path.join(out_dir, name), [file], force=force)
     cast = DTYPES[dtype] if dtype else None
     with SafetensorsSource(file) as own:  # checked against the checkpoint's SHA256SUMS here, first
         keys = [k for k in own.keys() if info["trainable_only"] or k.endswith((".lora_A", ".lora_B"))]
@@ -826,7 +917,7 @@ def export_adapters(checkpoint: str, out_dir: str, name: str = "adapters.safeten
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddptrain.weights",
+    p = argparse.ArgumentParser(prog=cli_prog("ddptrain.weights"),
                                 description="Weights tools. export: a checkpoint's weights, LoRA adapters merged in, as "
                                             "plain safetensors (the base model's names and layout).")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -835,6 +926,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("out_dir", help="output folder")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
     e.add_argument("--max-shard-gb", type=float, default=5.0, help="largest output file (GB)")
+    e.add_argument("--force", action="store_true", help="write into a non-empty output folder, emptied first")
     e.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
                    help="ema: the checkpoint's EMA weights (ema.enabled); model: its trained weights; auto (default): "
                         "the EMA when the checkpoint's evaluation measured it (what keep_best ranked), else the trained")
@@ -844,11 +936,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     a.add_argument("--name", default="adapters.safetensors", help="the file's name (default: adapters.safetensors)")
     a.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="cast floating tensors")
     a.add_argument("--weights", choices=["auto", "ema", "model"], default="auto", help="as for export")
+    a.add_argument("--force", action="store_true", help="replace an existing file of that name")
     args = p.parse_args(argv)
-    if args.cmd == "adapters":
-        files = [export_adapters(args.checkpoint, args.out_dir, args.name, args.dtype, args.weights)]
-    else:
-        files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb, args.weights)
+    try:
+        if args.cmd == "adapters":
+            files = [export_adapters(args.checkpoint, args.out_dir, args.name, args.dtype, args.weights, args.force)]
+        else:
+            files = export_merged(args.checkpoint, args.out_dir, args.dtype, args.max_shard_gb, args.weights,
+                                  args.force)
+    except CheckpointError as e:
+        p.exit(2, f"{p.prog} {args.cmd}: error: {e}\n")
     print(json.dumps({"written": files, "weights": read_header(files[0])[1].get("ddptrain.weights")}, indent=1))
     return 0
 

@@ -88,6 +88,9 @@ def main(argv: list[str]) -> dict:
                                         for k, v in r.items()))
         runfolder.write_file(args.out, "report.json",
                              json.dumps({"weights": args.weights, "which": which, "results": results}, indent=1))
+        print(f"report: {os.path.join(args.out, 'report.json')}; logs: {os.path.join(args.out, 'metrics.jsonl')}"
+              + (f", TensorBoard: tensorboard --logdir {os.path.join(args.out, 'tensorboard')}"
+                 if cfg.logging.tensorboard else ""))
     ddptrain.dist.teardown()
     return results
 

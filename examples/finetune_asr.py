@@ -177,6 +177,10 @@ def main(argv: list[str]) -> dict:
     if info.is_main:
         print_summary(summary)
         runfolder.write_file(cfg.trainer.output_dir, cfg.demo.report, json.dumps(summary, indent=1))  # keeps the old one
+        out = cfg.trainer.output_dir  # where a new user looks for the outputs: said last
+        print(f"report: {os.path.join(out, cfg.demo.report)}; logs: {os.path.join(out, 'metrics.jsonl')}"
+              + (f", TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}"
+                 if cfg.logging.tensorboard else ""))
     ddptrain.dist.teardown()
     return summary
 

@@ -568,11 +568,12 @@ class TTSTrainer(ddptrain.Trainer):
     samples: Optional[SampleWriter] = None
     eval_seed: int = 0
 
-    def evaluate(self, data=None, prefix: str = "eval", max_batches: int = 0) -> dict:
+    def evaluate(self, data=None, prefix: str = "eval", max_batches: int = 0, name: str = "") -> dict:
+        """:meth:`ddptrain.Trainer.evaluate` (its arguments) under ``tts.eval_seed``, then samples."""
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # training's random stream continues untouched
             torch.manual_seed(self.eval_seed)
-            result = super().evaluate(data, prefix, max_batches)
+            result = super().evaluate(data, prefix, max_batches, name=name)
             if data is None and not max_batches and self.samples is not None and self.info.is_main:
                 with self.precision.autocast():
                     self.samples(self.module, self.progress.step, self.logger)
@@ -666,6 +667,10 @@ def main(argv: list[str]) -> dict:
     if info.is_main:
         runfolder.write_file(cfg.trainer.output_dir, cfg.tts.report, json.dumps(summary, indent=1))
         print(json.dumps(summary, indent=1))
+        out = cfg.trainer.output_dir  # where a new user looks for the outputs: said last
+        print(f"report: {os.path.join(out, cfg.tts.report)}; logs: {os.path.join(out, 'metrics.jsonl')}"
+              + (f", TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}"
+                 if cfg.logging.tensorboard else ""))
     ddptrain.dist.teardown()
     return summary
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -130,7 +131,15 @@ def test_trainable_only_lora_checkpoints_average_into_a_trainable_only_file(tmp_
     assert main([str(tmp_path / "run"), "--last", "2", "-o", str(tmp_path / "avg.safetensors"), "--dtype", "bf16"]) == 0
     files = [f"{p}/model.safetensors" for p in steps[-2:]]
     got, want = load_file(str(tmp_path / "avg.safetensors")), _hand_average(files, dtype=torch.bfloat16)
-    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items() if not k.endswith((".lora_A", ".lora_B")))
+    # the adapters: stacked along the rank (the exact mean of B @ A; test_lora_average_is_the_mean_of_the_updates)
+    layers = {k[: -len(".lora_A")] for k in want if k.endswith(".lora_A")}
+    saved = [load_file(f) for f in files]
+    for layer in layers:
+        a, b = got[f"{layer}.lora_A"], got[f"{layer}.lora_B"]
+        assert torch.equal(a, torch.cat([t[f"{layer}.lora_A"].float() for t in saved]).bfloat16())
+        assert torch.equal(b, (torch.cat([t[f"{layer}.lora_B"].float() for t in saved], dim=1) / 2).bfloat16())
     info = weights.weights_info(str(tmp_path / "avg.safetensors"))
     assert info["trainable_only"] and info["base_model"] == os.path.abspath(base)
     assert info == {**weights.weights_info(files[0])}
@@ -163,7 +172,7 @@ def test_checkpoints_of_different_models_and_bad_requests_are_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
         average.select(str(tmp_path / "nothing"), last=1)
     with pytest.raises(ckpt.CheckpointError, match="holds no EMA weights"):
-        average.average([one], out, weights="ema")
+        average.average([_steps(tmp_path / "a")[0], one], out, weights="ema")
     assert not os.path.exists(out)
     with pytest.raises(SystemExit):
         main([str(tmp_path / "a"), str(tmp_path / "b"), "--last", "2", "-o", out])
@@ -195,3 +204,83 @@ def test_the_streamed_writer_writes_what_safetensors_reads_and_refuses_a_wrong_t
     with pytest.raises(ckpt.CheckpointError, match="tensor a is torch.float32 \\(3, 4\\), its header says torch.float32 \\(4, 3\\)"):
         weights.save_streamed(str(tmp_path / "t.safetensors"), [("a", torch.float32, (4, 3))], [tensors["a"]])
     assert os.listdir(tmp_path) == ["s.safetensors"]  # nothing half-written left
+
+
+def test_an_average_of_fewer_than_two_checkpoints_is_refused_not_copied(tmp_path, capsys):
+    """issue 49 item 3: a run folder without --last/--best, --last 0 or 1, or one checkpoint
+    wrote a copy of the newest checkpoint reported as averaged."""
+    _run(tmp_path / "run", steps=3)
+    out = str(tmp_path / "avg.safetensors")
+    for argv, why in (([], "is a run folder.*--last N or --best N"), (["--last", "0"], "--last 0: averaging takes 2"),
+                      (["--last", "1"], "--last 1: averaging takes 2"), (["--best", "1"], "--best 1: averaging takes 2")):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / "run"), *argv, "-o", out])
+        assert e.value.code == 2 and re.search(why, capsys.readouterr().err), argv
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "run" / "checkpoints"), "-o", out])  # the checkpoints folder: a run folder too
+    assert "is a run folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([_steps(tmp_path / "run")[-1], "-o", out])
+    assert "two or more checkpoint folders" in capsys.readouterr().err
+    with pytest.raises(ckpt.CheckpointError, match="averaging needs two or more checkpoints"):
+        average.average([_steps(tmp_path / "run")[-1]], out)
+    assert not os.path.exists(out)
+    assert main([*_steps(tmp_path / "run")[-2:], "-o", out]) == 0  # two checkpoint folders: averaged
+
+
+def test_lora_average_is_the_mean_of_the_updates_not_of_a_and_b(tmp_path):
+    """issue 49 item 3: mean(B) @ mean(A) is not mean(B @ A); the average's merged weights equal
+    the mean of the checkpoints' merged weights, and load into a model without adapters."""
+    from test_lora import _base_file, _run as lora_run, Tiny
+
+    base = _base_file(tmp_path)
+    lora_run(tmp_path / "run", base, 6)
+    steps = _steps(tmp_path / "run")
+    out = str(tmp_path / "avg.safetensors")
+    report = average.average(steps, out, weights="model")
+    merged = []
+    for p in steps:
+        model = Tiny()
+        ddptrain.load_weights(model, p)
+        merged.append(ddptrain.lora.merged_state_dict(model))
+    want = {k: sum(m[k].float() for m in merged) / len(merged) for k in merged[0]}
+    model = Tiny()
+    ddptrain.load_weights(model, out)  # adapters of rank 3r added from the file
+    got = ddptrain.lora.merged_state_dict(model)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].float(), v, rtol=0, atol=2e-6, msg=k)
+    weights.export_merged(out, str(tmp_path / "merged"))
+    exported = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert all(torch.allclose(exported[k].float(), v, atol=2e-6) for k, v in want.items())
+    r = load_file(f"{steps[0]}/model.safetensors")["blocks.0.q_proj.lora_A"].shape[0]
+    assert len(steps) == 3 and report["lora"]["rank"] == f"{r} -> {3 * r}"
+
+
+def test_the_output_never_overwrites_a_checkpoint_an_input_or_a_file_without_force(tmp_path, capsys):
+    """issue 49 item 7: -o inside a checkpoint replaced its weights (the next resume called it
+    damaged); -o onto a file overwrote it silently; -o onto a folder was an IsADirectoryError."""
+    _run(tmp_path / "run", steps=3)
+    steps = _steps(tmp_path / "run")
+    before = {p: open(f"{p}/model.safetensors", "rb").read() for p in steps}
+    for out, why in ((f"{steps[-1]}/model.safetensors", "is inside the checkpoint"),
+                     (f"{steps[0]}/avg.safetensors", "is inside the checkpoint"),
+                     (str(tmp_path / "run"), "is a folder: name the .safetensors file")):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / "run"), "--last", "2", "-o", out])
+        assert e.value.code == 2 and why in capsys.readouterr().err, out
+    plain = [str(tmp_path / f"w{i}.safetensors") for i in range(2)]  # weights files outside any checkpoint
+    for p, f in zip(steps, plain):
+        ddptrain.save_weights(load_file(f"{p}/model.safetensors"), f)
+    with pytest.raises(ckpt.CheckpointError, match="is one of the files read"):
+        average.average(plain, plain[1], force=True)
+    assert {p: open(f"{p}/model.safetensors", "rb").read() for p in steps} == before
+    assert sorted(os.listdir(steps[0])) == sorted(os.listdir(steps[1]))  # nothing written into a checkpoint
+    assert ckpt.newest_intact(str(tmp_path / "run" / "checkpoints")) == steps[-1]
+    out = tmp_path / "avg.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "run"), "--last", "2", "-o", str(out)])
+    assert "exists: pass --force" in capsys.readouterr().err and out.read_bytes() == b"keep me"
+    assert main([str(tmp_path / "run"), "--last", "2", "-o", str(out), "--force"]) == 0
+    assert set(load_file(str(out))) == set(load_file(f"{steps[-1]}/model.safetensors"))

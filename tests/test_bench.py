@@ -126,7 +126,7 @@ def test_balance_tool_on_the_shipped_manifest(capsys):
 @pytest.mark.timeout(240)
 def test_dry_run_of_the_hf_trainer_peer_where_accelerate_is_installed(tmp_path, capsys):
     pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # the HF Trainer needs it; ddptrain's dev extra does not install it
+    pytest.importorskip("accelerate")  # the HF Trainer needs it (the dev extra installs it; an older .venv may lack it)
     import gpu_session
 
     assert gpu_session.main(["peers1", "--dry", "--jobs", "wh_hf", "--out", str(tmp_path)]) == 0
@@ -138,7 +138,7 @@ def test_dry_run_of_the_hf_trainer_peer_where_accelerate_is_installed(tmp_path, 
 def test_glmasr_hf_grouped_peer_uses_the_hf_trainers_length_grouping(tmp_path):
     # the HF Trainer's group_by_length (its best setting for variable lengths) must pad less
     # than its random batches on the same corpus, or the peer is not what its name says
-    pytest.importorskip("accelerate")  # the HF Trainer needs it; ddptrain's dev extra does not install it
+    pytest.importorskip("accelerate")  # the HF Trainer needs it (the dev extra installs it; an older .venv may lack it)
     import bench_glmasr
 
     out = tmp_path / "r.jsonl"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -49,3 +50,27 @@ def test_each_command_target_is_importable_and_callable(command, capsys):
     with pytest.raises(SystemExit) as e:  # its argv: --help prints the usage and exits 0
         main(["--help"])
     assert e.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+def test_the_dev_extra_holds_what_the_hf_trainer_needs_to_run():
+    """issue 49 item 14: ``pip install -e '.[dev]'`` could not run the HF Trainer the HF peers and
+    parity checks use: transformers 5.x refuses to build a Trainer without ``accelerate``."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    names = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in extras["dev"]}
+    assert {"transformers", "accelerate", "pytest", "pytest-timeout"} <= names, sorted(names)
+
+
+@pytest.mark.parametrize("how", ["console", "module"])
+def test_the_usage_line_names_the_command_as_it_was_run(how, capsys, monkeypatch):
+    """issue 49 item 15: 7 of 8 ``ddptrain-* --help`` usage lines said ``python -m ...``."""
+    for command, target in sorted(console_scripts().items()):
+        module = target.split(":")[0]
+        argv0 = f"/venv/bin/{command}" if how == "console" else f"/src/{module.replace('.', '/')}.py"
+        monkeypatch.setattr("sys.argv", [argv0, "--help"])
+        with pytest.raises(SystemExit):
+            getattr(importlib.import_module(module), "main")(["--help"])
+        usage = capsys.readouterr().out.split("\n", 1)[0]
+        want = command if how == "console" else f"python -m {module}"
+        assert usage.startswith(f"usage: {want} ") or usage == f"usage: {want}", (command, usage)

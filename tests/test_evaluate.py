@@ -65,6 +65,7 @@ def test_asr_scores_equal_the_training_runs_report_and_name_their_set(asr_run, t
         assert f"[test {m} step 0]" in printed.err and f"{m}: " in printed.out
     saved = json.load(open(tmp_path / "ev" / "report.json"))
     assert saved["results"] == results
+    assert f"report: {tmp_path / 'ev' / 'report.json'}; logs: {tmp_path / 'ev' / 'metrics.jsonl'}" in printed.out
     assert os.path.isfile(asr_run["tmp"] / "run" / "report.json")  # the training run's folder is not touched
 
 

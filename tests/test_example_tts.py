@@ -281,8 +281,11 @@ def test_loss_falls_and_samples_are_written(corpus, tmp_path):
     cfg = ["trainer.max_steps=16", "trainer.eval_every=16", "tts.num_samples=1", "tts.sample_timesteps=2",
            "tts.sample_max_ratio=0.5",
            "logging.tensorboard=true", "logging.log_every=4"]
+    test = copy_split(str(tmp_path / "data"), "test", 2)  # the config's test set kept: issue 49 item 15
     summary = ft.main(["--config", os.path.join(ROOT, "configs", "tts_dialect.yaml"),
-                       *recipe_config_args(corpus, tmp_path), *cfg])
+                       *recipe_config_args(corpus, tmp_path), *cfg, f"tts.test_manifests=[{test}]"])
+    report = json.load(open(f"{tmp_path}/run/report.json"))  # written at the very end: the run ran to it
+    assert set(report["test"]) == {test} and set(report["test"][test]) == {"loss", "diff", "stop"}
     losses = [r["loss"] for r in logged(f"{tmp_path}/run")]
     assert losses[-1] < 0.6 * losses[0], losses
     assert set(summary["eval"]) == {"loss", "diff", "stop"}

@@ -57,3 +57,16 @@ def test_throughput_window_rates():
     s = w.scalars()
     assert s["loss"] == 2.0 and s["units_per_s"] > 0 and s["steps_per_s"] > 0
     assert w.steps == 0  # a new window
+
+
+def test_a_cpu_runs_printed_step_line_has_no_gpu_fields(tmp_path, capfd):
+    """issue 49 item 15: a CPU run's step line was ~380 characters with GPU fields (TFLOP/s, MFU)
+    and a loss scale of 1; metrics.jsonl keeps every field."""
+    torch.manual_seed(0)
+    cfg = make_cfg(tmp_path, "trainer.max_steps=2", "logging.log_every=1", "logging.progress_bar=false")
+    ddptrain.Trainer(FrameMLP(), frame_loss, cfg, micro_batches(2)[0], flops_fn=lambda b: 1e6).fit()
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("[train step")]
+    assert lines and all("tflops_per_gpu" not in x and "mfu=" not in x and "loss_scale" not in x for x in lines)
+    assert "loss=" in lines[-1] and "lr=" in lines[-1]
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"split": "train"' in x]
+    assert rows and all("tflops_per_gpu" in r and r["loss_scale"] == 1.0 for r in rows)

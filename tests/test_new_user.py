@@ -42,7 +42,9 @@ def test_make_demo_moves_a_previous_run_aside_and_test_lines_name_their_set(tmp_
     args[1] = os.path.join(ROOT, args[1])
     finetune_asr.main(args)
     first = (tmp_path / "base" / "report.json").read_text()
-    log = capsys.readouterr().err
+    printed = capsys.readouterr()
+    log = printed.err
+    assert printed.out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path}/base/report.json; logs: ")  # said last
     for m in (a, b):  # each test set's line says which set it is
         assert f"[test {m} step 2]" in log, log[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / "base" / "metrics.jsonl")]
@@ -61,3 +63,15 @@ def test_plot_curves_without_matplotlib_says_what_to_install(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "examples/plot_curves.py needs matplotlib, which the set-up does not install: pip install matplotlib"]
+
+
+@pytest.mark.timeout(180)
+def test_minimal_under_torchrun_prints_its_result_once(tmp_path):
+    """issue 49 item 15: `make minimal` (2 ranks under torchrun) printed its result once per rank."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "examples", "minimal.py"),
+                           f"trainer.output_dir={tmp_path}/run", "trainer.max_epochs=1", "logging.progress_bar=false"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=170,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("{'loss': ") == 1, proc.stdout

@@ -91,3 +91,13 @@ def test_readme_commands_exist():
         assert f"make {target}" in readme
         assert re.search(rf"^{target}:", makefile, re.M)
     assert re.search(r"^make test$", ci, re.M)
+
+
+def test_make_test_shows_progress_and_the_slowest_tests():
+    """issue 49 item 15: `make test` printed only dots for tens of minutes, with no duration."""
+    import subprocess
+
+    out = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    pytest_line = next(line for line in out.splitlines() if " -m pytest " in line)
+    assert re.search(r"(^| )(-v|--verbose|-rA)( |$)", pytest_line) and "--durations=" in pytest_line, pytest_line
+    assert re.search(r"timed in CI|about \d+ min", read("README.md").split("make test", 1)[1][:400])

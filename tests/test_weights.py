@@ -8,6 +8,7 @@ named; a checkpoint's file is checked against its SHA256SUMS by every reader."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -261,3 +262,48 @@ def test_written_weights_files_follow_the_umask_like_any_new_file(tmp_path, mask
     want = os.stat(tmp_path / "plain.txt").st_mode & 0o777
     assert want == 0o666 & ~mask and len(written) > 5
     assert {f: oct(os.stat(f).st_mode & 0o777) for f in written} == {f: oct(want) for f in written}
+
+
+def test_exports_never_overwrite_a_checkpoint_and_refuse_a_non_empty_folder_unless_forced(tmp_path, capsys):
+    """issue 49 item 7: `python -m ddptrain.weights export CKPT CKPT` replaced the checkpoint's
+    weights (the next resume called it damaged); an export into a folder that held files left its
+    old config.json and shards beside the new weights."""
+    from test_lora import _base_file, _run  # a LoRA run with trainable-only checkpoints
+
+    base = _base_file(tmp_path)
+    _run(tmp_path / "run", base, 2)
+    step = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    before = sorted(os.listdir(step)), open(os.path.join(step, "model.safetensors"), "rb").read()
+    note = tmp_path / "note.txt"
+    note.write_text("a file")
+    for argv, why in ((["export", step, step], "is inside the checkpoint"),
+                      (["export", step, os.path.join(step, "sub")], "is inside the checkpoint"),
+                      (["adapters", step, step, "--name", "model.safetensors", "--force"], "is inside the checkpoint"),
+                      (["export", step, str(tmp_path)], "holds .*base.safetensors, which this export reads"),
+                      (["export", step, base], "holds .*base.safetensors, which this export reads"),
+                      (["export", step, str(note)], "is a file, not a folder")):
+        with pytest.raises(SystemExit) as e:
+            weights.main(argv)
+        assert e.value.code == 2 and re.search(why, capsys.readouterr().err), argv
+    assert (sorted(os.listdir(step)), open(os.path.join(step, "model.safetensors"), "rb").read()) == before
+    assert not ckpt.damage(step)
+
+    out = tmp_path / "out"
+    assert weights.main(["export", step, str(out), "--max-shard-gb", "1e-6"]) == 0  # several shards + index
+    (out / "config.json").write_text('{"another": "model"}')
+    with pytest.raises(SystemExit):
+        weights.main(["export", step, str(out)])
+    assert "is not empty (config.json, model-00001-of" in capsys.readouterr().err
+    assert weights.main(["export", step, str(out), "--force"]) == 0
+    assert sorted(os.listdir(out)) == ["model.safetensors"]  # no stale shard, index or config.json beside it
+    (out / "sub").mkdir()
+    with pytest.raises(SystemExit):
+        weights.main(["export", step, str(out), "--force"])
+    assert "holds folders (sub)" in capsys.readouterr().err
+
+    adapters = tmp_path / "adapters"
+    assert weights.main(["adapters", step, str(adapters)]) == 0
+    with pytest.raises(SystemExit):
+        weights.main(["adapters", step, str(adapters)])
+    assert "adapters.safetensors exists: pass --force" in capsys.readouterr().err
+    assert weights.main(["adapters", step, str(adapters), "--force"]) == 0

@@ -38,7 +38,7 @@ import torch
 import torchaudio
 from torch import Tensor, nn
 
-from ddptrain.config import check_section
+from ddptrain.config import check_section, cli_prog
 from ddptrain.data.audio import load_audio
 from ddptrain.data.config import DataConfig
 from ddptrain.data.manifest import load_manifest, parse_field_args
@@ -321,7 +321,7 @@ def compute_global_stats(entries: Sequence, cfg: DataConfig, max_utterances: int
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m ddptrain.data.features MANIFEST OUT.json``: write global normalisation stats."""
-    p = argparse.ArgumentParser(prog="python -m ddptrain.data.features", description=main.__doc__)
+    p = argparse.ArgumentParser(prog=cli_prog("ddptrain.data.features"), description=main.__doc__)
     p.add_argument("manifest", help="manifest path(s), comma-separated")
     p.add_argument("output", help="JSON file to write (use it as data.global_stats)")
     p.add_argument("--features", default="fbank", choices=FEATURE_KINDS)

@@ -55,7 +55,7 @@ import soundfile as sf
 import torch
 
 from ddptrain import dist
-from ddptrain.config import check_section
+from ddptrain.config import check_section, cli_prog
 from ddptrain.data.audio import AudioError, load_audio, resample
 from ddptrain.data.config import DataConfig
 from ddptrain.data.dataset import PackedStrings, SpeechDataset
@@ -801,7 +801,7 @@ def check_shards(shards: ShardSet, cfg: DataConfig, decode: bool) -> tuple[list[
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ddptrain.data.shards",
+        prog=cli_prog("ddptrain.data.shards"),
         description="Write a manifest's utterances as WebDataset-layout tar shards with an index each "
                     "(MANIFEST OUT_DIR), or index existing shards (--index SHARDS...).")
     p.add_argument("paths", nargs="+", help="MANIFEST OUT_DIR; with --index: shard folders, globs or files")

@@ -64,7 +64,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 import numpy as np
 import soundfile as sf
 
-from ddptrain.config import ConfigError, check_section, load_config
+from ddptrain.config import ConfigError, check_section, cli_prog, load_config
 from ddptrain.data.audio import AudioError, audio_info
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError, Problem
@@ -453,7 +453,7 @@ def _decode_problem(path: str, header_frames: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddptrain.data.validate",
+    p = argparse.ArgumentParser(prog=cli_prog("ddptrain.data.validate"),
                                 description="Check manifests for bad lines; exit 1 if any.")
     p.add_argument("manifests", nargs="+", help="JSONL manifest(s), or shards: a .tar, a folder or glob of them")
     p.add_argument("--config", help="YAML config whose data: section supplies the defaults")
