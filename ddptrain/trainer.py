@@ -77,6 +77,7 @@ class Trainer:
         torch.manual_seed(t.seed + self.info.rank)  # dropout differs per rank; DDP syncs the init
         torch.use_deterministic_algorithms(t.deterministic)
         self.progress = TrainingProgress()
+        dist.follow_progress(self.progress)  # this rank's heartbeat says its step (a timeout names a silent rank)
         self.rng = RNGStreams(t.seed, self.info.rank)
         self._lock: Optional[runfolder.FolderLock] = None
         self.logger: Optional[RunLogger] = None
@@ -188,6 +189,11 @@ class Trainer:
             if c.save_at_end and self._last_saved_step != p.step:
                 self.save()
             return p.last_eval
+        except RuntimeError as e:
+            stalled = dist.peer_timeout(e)  # a collective timed out: name the rank that stopped answering
+            if stalled is None:
+                raise
+            raise stalled from e
         finally:
             self.preemption.restore()
             self.gc.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -31,3 +32,60 @@ def test_broadcast_module_copies_rank0_params_and_buffers_of_every_dtype(tmp_pat
     want[1].running_mean.normal_()
     for k, v in want.state_dict().items():
         assert torch.equal(a[k], v) and torch.equal(b[k], v), k
+
+
+# ----------------------------------------------------------------------------- a rank that stops answering (issue 49 item 9)
+
+
+def _stopping_worker(rank, world, out, how):
+    """Rank 1 stops answering in its third step's loss_fn: frozen (SIGSTOP), or alive and busy
+    (a sleep past the timeout). Rank 0 waits in the step's all-reduce until dist.timeout_s."""
+    import signal
+    import time
+
+    import ddptrain
+    from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+
+    with open(os.path.join(out, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    holder = {}
+
+    def loss(model, batch):
+        if rank == 1 and holder["trainer"].step == 2:
+            if how == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                time.sleep(60)
+        return frame_loss(model, batch)
+
+    torch.manual_seed(0)
+    cfg = make_cfg(os.path.join(out, "run"), "trainer.max_steps=4", "dist.timeout_s=6", "checkpoint.save_at_end=false")
+    holder["trainer"] = trainer = ddptrain.Trainer(FrameMLP(), loss, cfg, [mb[rank] for mb in micro_batches(4)])
+    try:
+        trainer.fit()
+    except Exception as e:
+        if rank == 0:
+            with open(os.path.join(out, "error.txt"), "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+            with open(os.path.join(out, "pid1")) as f:
+                os.kill(int(f.read()), signal.SIGKILL)  # the stopped rank ends with the job, as torchrun ends it
+            os._exit(0)
+        raise
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["sigstop", "sleep"])
+def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, how):
+    """The healthy rank's error says which rank stopped answering and where it was, not only its own
+    batch: a frozen rank's heartbeat is stale; a busy one's is fresh and says where it is busy."""
+    with pytest.raises(Exception, match="SIGKILL|signal"):  # rank 1 killed by rank 0, once its error was written
+        run_ranks(_stopping_worker, 2, str(tmp_path), how, timeout=50)
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith("PeerTimeoutError: rank 0: a collective did not complete within dist.timeout_s=6"), error
+    assert re.search(r"rank 0: \d+ s ago, after step 2, in .*forward_backward", error), error  # waiting in step 3
+    if how == "sigstop":
+        assert re.search(r"rank 1 \(last heartbeat \d+ s ago, after step [0-2], .*\) stopped answering", error), error
+        assert "rank 0 (last heartbeat" not in error, error  # the healthy rank is not blamed
+    else:
+        assert "every rank still answers" in error, error
+        assert re.search(r"rank 1: \d+ s ago, after step 2, in loss \(test_dist.py:\d+\)", error), error
