@@ -197,13 +197,13 @@ def teardown() -> None:
     gloo work objects, kept alive by reference cycles, are freed only while the interpreter shuts
     down (hence a collection first, while everything they touch still exists)."""
     global _heartbeat
-    if _heartbeat is not None:
-        _heartbeat.stop()
-        _heartbeat = None
     if dist.is_initialized():
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+    if _heartbeat is not None:  # after the barrier: a rank waiting in it still answers
+        _heartbeat.stop()
+        _heartbeat = None
 
 
 # ----------------------------------------------------------------------------- who stopped answering
@@ -269,9 +269,21 @@ class Heartbeat:
             self.store.set(self._key(self.rank), f"{step} {time.time():.3f} {self._where()}")
 
     def _run(self) -> None:
+        seen, since, told = None, time.monotonic(), False
         while not self._stopped.wait(self.interval_s):
             try:
                 self._beat()
+                step = getattr(self.progress, "step", None)
+                if step != seen:
+                    seen, since, told = step, time.monotonic(), False
+                elif not told and step is not None and time.monotonic() - since > self.timeout_s / 2:
+                    # once per stall, before the timeout: NCCL's watchdog ends the process without
+                    # a Python exception, so this line may be all that names the silent rank
+                    told = True
+                    silent, every = self._summary(self.read())
+                    if silent:
+                        print(f"WARNING: rank {self.rank}: no step for {time.monotonic() - since:.0f} s, and {silent} "
+                              f"stopped answering. Heartbeats: {every}", file=sys.stderr, flush=True)
             except Exception:  # the store's host is gone or busy: the next beat tries again
                 pass
 
@@ -297,6 +309,18 @@ class Heartbeat:
             self._lock.release()
         return out
 
+    def _summary(self, beats: dict) -> tuple[str, str]:
+        """(the silent ranks named with their last heartbeat, or ""; every rank's heartbeat)."""
+        stale = 3 * self.interval_s  # a healthy rank's heartbeat is at most one interval old
+        silent = sorted(r for r in range(self.world_size) if r not in beats or beats[r][1] > stale)
+        def at(step: int, where: str) -> str:
+            return f"{f'after step {step}' if step >= 0 else 'outside fit()'}, in {where}"
+
+        named = ", ".join(f"rank {r}" + (f" (last heartbeat {beats[r][1]:.0f} s ago, {at(beats[r][0], beats[r][2])})"
+                                         if r in beats else " (no heartbeat at all)") for r in silent)
+        every = "; ".join(f"rank {r}: {age:.0f} s ago, {at(step, where)}" for r, (step, age, where) in sorted(beats.items()))
+        return named, every
+
     def explain(self, error: BaseException) -> Optional[PeerTimeoutError]:
         """A :class:`PeerTimeoutError` naming who stopped answering, when ``error`` (or its cause)
         is a collective's timeout or a lost peer; None for any other error."""
@@ -306,17 +330,11 @@ class Heartbeat:
         beats = self.read()
         if not beats:
             return None
-        stale = 3 * self.interval_s  # a healthy rank's heartbeat is at most one interval old
-        silent = sorted(r for r in range(self.world_size) if r not in beats or beats[r][1] > stale)
-        every = "; ".join(f"rank {r}: {age:.0f} s ago, after step {step}, in {where}"
-                          for r, (step, age, where) in sorted(beats.items()))
+        silent, every = self._summary(beats)
         first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         if silent:
-            named = ", ".join(f"rank {r}" + (f" (last heartbeat {beats[r][1]:.0f} s ago, after step {beats[r][0]}, "
-                                             f"in {beats[r][2]})" if r in beats else " (no heartbeat at all)")
-                              for r in silent)
             head = (f"rank {self.rank}: a collective did not complete within dist.timeout_s={self.timeout_s:g}: "
-                    f"{named} stopped answering: that process is stopped (SIGSTOP, a debugger), frozen in a "
+                    f"{silent} stopped answering: that process is stopped (SIGSTOP, a debugger), frozen in a "
                     "system or driver call, dead, or its host is unreachable. Look there first")
         else:
             head = (f"rank {self.rank}: a collective did not complete within dist.timeout_s={self.timeout_s:g}, "
@@ -332,7 +350,8 @@ _heartbeat: Optional[Heartbeat] = None
 
 
 def follow_progress(progress) -> None:
-    """Let this rank's heartbeat say its step (``progress.step``, read by the heartbeat's thread)."""
+    """Let this rank's heartbeat say its step (``progress.step``, read by the heartbeat's thread)
+    and warn when it stalls with a peer silent; None: no step to watch (outside the loop)."""
     if _heartbeat is not None:
         _heartbeat.progress = progress
 

@@ -77,7 +77,6 @@ class Trainer:
         torch.manual_seed(t.seed + self.info.rank)  # dropout differs per rank; DDP syncs the init
         torch.use_deterministic_algorithms(t.deterministic)
         self.progress = TrainingProgress()
-        dist.follow_progress(self.progress)  # this rank's heartbeat says its step (a timeout names a silent rank)
         self.rng = RNGStreams(t.seed, self.info.rank)
         self._lock: Optional[runfolder.FolderLock] = None
         self.logger: Optional[RunLogger] = None
@@ -159,6 +158,7 @@ class Trainer:
             TrainingError: non-finite steps in a row, fp16 scale collapse, a broken loss_fn.
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
+        dist.follow_progress(p)  # this rank's heartbeat says its step; a timeout names the silent rank
         try:
             # trainer.preflight: an out-of-memory error now, not in hours
             preflight.before_fit(t.preflight, self.one_step, self.train_data, self.logger.print)
@@ -195,6 +195,7 @@ class Trainer:
                 raise
             raise stalled from e
         finally:
+            dist.follow_progress(None)  # no step to watch outside fit (a rank-0-only export after it)
             self.preemption.restore()
             self.gc.stop()
             self.logger.flush()

@@ -75,9 +75,11 @@ def _stopping_worker(rank, world, out, how):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["sigstop", "sleep"])
-def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, how):
+def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, capfd, how):
     """The healthy rank's error says which rank stopped answering and where it was, not only its own
-    batch: a frozen rank's heartbeat is stale; a busy one's is fresh and says where it is busy."""
+    batch: a frozen rank's heartbeat is stale; a busy one's is fresh and says where it is busy.
+    Half-way to the timeout the waiting rank already warns (NCCL's watchdog ends a process
+    without a Python exception: the warning is then what names the silent rank)."""
     with pytest.raises(Exception, match="SIGKILL|signal"):  # rank 1 killed by rank 0, once its error was written
         run_ranks(_stopping_worker, 2, str(tmp_path), how, timeout=50)
     error = (tmp_path / "error.txt").read_text()
@@ -86,6 +88,8 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, ho
     if how == "sigstop":
         assert re.search(r"rank 1 \(last heartbeat \d+ s ago, after step [0-2], .*\) stopped answering", error), error
         assert "rank 0 (last heartbeat" not in error, error  # the healthy rank is not blamed
+        warned = capfd.readouterr().err
+        assert re.search(r"WARNING: rank 0: no step for \d+ s, and rank 1 \(last heartbeat", warned), warned
     else:
         assert "every rank still answers" in error, error
         assert re.search(r"rank 1: \d+ s ago, after step 2, in loss \(test_dist.py:\d+\)", error), error
