@@ -12,6 +12,7 @@ the next collective.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
@@ -246,7 +247,9 @@ class Heartbeat:
             self.store = None
             return
         self._beat()
-        threading.Thread(target=self._run, name="ddptrain-heartbeat", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="ddptrain-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # ended before the interpreter is: never inside a store call at shutdown
 
     def _key(self, rank: int) -> str:
         return f"heartbeat/{rank}"
@@ -289,6 +292,9 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stopped.set()
+        if getattr(self, "_thread", None) is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        atexit.unregister(self.stop)
 
     def read(self) -> dict[int, tuple[int, float, str]]:
         """``{rank: (step, seconds since its last beat, where)}`` of the ranks whose heartbeat
@@ -324,8 +330,7 @@ class Heartbeat:
     def explain(self, error: BaseException) -> Optional[PeerTimeoutError]:
         """A :class:`PeerTimeoutError` naming who stopped answering, when ``error`` (or its cause)
         is a collective's timeout or a lost peer; None for any other error."""
-        text = " ".join(str(e) for e in (error, error.__cause__, error.__context__) if e is not None)
-        if not _LOST_PEER.search(text):
+        if not lost_peer(error):
             return None
         beats = self.read()
         if not beats:
@@ -344,8 +349,24 @@ class Heartbeat:
                                 f"The error on this rank: {first}")
 
 
-# what a collective's timeout or a vanished peer says (gloo, NCCL, the store)
-_LOST_PEER = re.compile(r"timed out|timeout|connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+# what a collective's timeout or a vanished peer says (gloo, NCCL); not a DataLoader's timeout
+_LOST_PEER = re.compile(r"timed out waiting \d+ ?ms|gloo.*connection (closed|reset) by peer|watchdog caught collective "
+                        r"operation timeout|nccl.*(timeout|timed out|remote process exited)", re.IGNORECASE | re.DOTALL)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it wraps) is a collective's timeout or a peer gone: a
+    c10d backend / network / store error, or gloo's and NCCL's words for one."""
+    kinds = tuple(getattr(dist, k) for k in ("DistBackendError", "DistNetworkError", "DistStoreError") if hasattr(dist, k))
+    seen = []
+    while error is not None and error not in seen and len(seen) < 8:
+        if isinstance(error, kinds) or _LOST_PEER.search(str(error)):
+            return True
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return False
+
+
 _heartbeat: Optional[Heartbeat] = None
 
 

@@ -73,7 +73,7 @@ def _stopping_worker(rank, world, out, how):
         raise
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # ~30 s on an idle machine: start-up, 2 steps, dist.timeout_s=6
 @pytest.mark.parametrize("how", ["sigstop", "sleep"])
 def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, capfd, how):
     """The healthy rank's error says which rank stopped answering and where it was, not only its own
@@ -81,7 +81,7 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, ca
     Half-way to the timeout the waiting rank already warns (NCCL's watchdog ends a process
     without a Python exception: the warning is then what names the silent rank)."""
     with pytest.raises(Exception, match="SIGKILL|signal"):  # rank 1 killed by rank 0, once its error was written
-        run_ranks(_stopping_worker, 2, str(tmp_path), how, timeout=50)
+        run_ranks(_stopping_worker, 2, str(tmp_path), how, timeout=120)
     error = (tmp_path / "error.txt").read_text()
     assert error.startswith("PeerTimeoutError: rank 0: a collective did not complete within dist.timeout_s=6"), error
     assert re.search(r"rank 0: \d+ s ago, after step 2, in .*forward_backward", error), error  # waiting in step 3
@@ -93,3 +93,17 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, ca
     else:
         assert "every rank still answers" in error, error
         assert re.search(r"rank 1: \d+ s ago, after step 2, in loss \(test_dist.py:\d+\)", error), error
+
+
+def test_only_a_collective_timeout_or_a_lost_peer_is_explained_by_heartbeats():
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                        "6000ms for recv operation to complete")
+    wrapped = RuntimeError("rank 0, step 3, micro-batch 0: RuntimeError: Got the following error ...")
+    wrapped.__cause__ = gloo
+    assert dist.lost_peer(gloo) and dist.lost_peer(wrapped)
+    assert dist.lost_peer(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
+    assert dist.lost_peer(torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error"))
+    for other in (RuntimeError("DataLoader worker (pid 5) timed out after 300 seconds"), ValueError("timeout_s < 1"),
+                  RuntimeError("CUDA out of memory")):
+        assert not dist.lost_peer(other)
+        assert dist.peer_timeout(other) is None
