@@ -318,7 +318,10 @@ class Heartbeat:
     def _summary(self, beats: dict) -> tuple[str, str]:
         """(the silent ranks named with their last heartbeat, or ""; every rank's heartbeat)."""
         stale = 3 * self.interval_s  # a healthy rank's heartbeat is at most one interval old
-        silent = sorted(r for r in range(self.world_size) if r not in beats or beats[r][1] > stale)
+        # a missing heartbeat counts only where this rank's own could be read (the store answers)
+        silent = sorted(r for r in range(self.world_size)
+                        if (r not in beats and self.rank in beats) or (r in beats and beats[r][1] > stale))
+
         def at(step: int, where: str) -> str:
             return f"{f'after step {step}' if step >= 0 else 'outside fit()'}, in {where}"
 
@@ -337,6 +340,8 @@ class Heartbeat:
             return None
         silent, every = self._summary(beats)
         first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        if not silent and not _TIMED_OUT.search(" ".join(map(str, _chain(error)))):
+            return None  # a peer that crashed says so itself (its own error is the root cause)
         if silent:
             head = (f"rank {self.rank}: a collective did not complete within dist.timeout_s={self.timeout_s:g}: "
                     f"{silent} stopped answering: that process is stopped (SIGSTOP, a debugger), frozen in a "
@@ -354,17 +359,23 @@ _LOST_PEER = re.compile(r"timed out waiting \d+ ?ms|gloo.*connection (closed|res
                         r"operation timeout|nccl.*(timeout|timed out|remote process exited)", re.IGNORECASE | re.DOTALL)
 
 
-def lost_peer(error: BaseException) -> bool:
-    """Whether ``error`` (or an error it wraps) is a collective's timeout or a peer gone: a
-    c10d backend / network / store error, or gloo's and NCCL's words for one."""
-    kinds = tuple(getattr(dist, k) for k in ("DistBackendError", "DistNetworkError", "DistStoreError") if hasattr(dist, k))
-    seen = []
-    while error is not None and error not in seen and len(seen) < 8:
-        if isinstance(error, kinds) or _LOST_PEER.search(str(error)):
-            return True
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _chain(error: Optional[BaseException]) -> list[BaseException]:
+    """``error`` and the errors it wraps (causes, contexts)."""
+    seen: list[BaseException] = []
+    while error is not None and all(error is not e for e in seen) and len(seen) < 8:
         seen.append(error)
         error = error.__cause__ or error.__context__
-    return False
+    return seen
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it wraps) is a collective's timeout or a peer gone: a
+    c10d network / store error, or gloo's and NCCL's words for one."""
+    kinds = tuple(getattr(dist, k) for k in ("DistNetworkError", "DistStoreError") if hasattr(dist, k))
+    return any(isinstance(e, kinds) or _LOST_PEER.search(str(e)) for e in _chain(error))
 
 
 _heartbeat: Optional[Heartbeat] = None

@@ -107,3 +107,48 @@ def test_only_a_collective_timeout_or_a_lost_peer_is_explained_by_heartbeats():
                   RuntimeError("CUDA out of memory")):
         assert not dist.lost_peer(other)
         assert dist.peer_timeout(other) is None
+
+
+class _FakeStore:
+    """The few TCPStore calls the heartbeat makes, over a dict shared by its clones."""
+
+    def __init__(self, data=None):
+        self.data = {} if data is None else data
+
+    def clone(self):
+        return _FakeStore(self.data)
+
+    def set_timeout(self, timeout):
+        pass
+
+    def set(self, key, value):
+        self.data[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_the_heartbeats_name_a_stale_rank_and_leave_other_errors_alone():
+    import time
+
+    store = _FakeStore()
+    beat = dist.Heartbeat(store, 0, 4, timeout_s=6)
+    try:
+        store.set("heartbeat/1", f"7 {time.time() - 60:.3f} loss (train.py:12)")  # frozen for a minute
+        store.set("heartbeat/2", f"8 {time.time():.3f} all_reduce (distributed_c10d.py:1)")  # waits, alive
+        timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms for recv")
+        error = str(beat.explain(timeout))
+        assert "rank 1 (last heartbeat 60 s ago, after step 7, in loss (train.py:12))" in error, error
+        assert "rank 3 (no heartbeat at all)" in error and "rank 2 (" not in error, error
+        assert "stopped answering" in error and "rank 0: 0 s ago, outside fit()" in error, error
+        store.set("heartbeat/1", f"7 {time.time():.3f} loss (train.py:12)")
+        store.set("heartbeat/3", f"7 {time.time():.3f} loss (train.py:12)")
+        assert "every rank still answers" in str(beat.explain(timeout))
+        # a peer that crashed (its own error is the root cause) or an error of another kind: unchanged
+        assert beat.explain(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")) is None
+        assert beat.explain(ValueError("bad batch")) is None
+    finally:
+        beat.stop()
