@@ -327,7 +327,8 @@ class Heartbeat:
 
         named = ", ".join(f"rank {r}" + (f" (last heartbeat {beats[r][1]:.0f} s ago, {at(beats[r][0], beats[r][2])})"
                                          if r in beats else " (no heartbeat at all)") for r in silent)
-        every = "; ".join(f"rank {r}: {age:.0f} s ago, {at(step, where)}" for r, (step, age, where) in sorted(beats.items()))
+        every = "; ".join(f"rank {r}: {age:.0f} s ago, {at(step, where)}"
+                          for r, (step, age, where) in sorted(beats.items()))
         return named, every
 
     def explain(self, error: BaseException) -> Optional[PeerTimeoutError]:

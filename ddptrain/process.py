@@ -341,7 +341,8 @@ def cgroup_memory_available(root: str = CGROUP_ROOT, proc_root: str = "/proc") -
             limit = _read_int(os.path.join(folder, limit_file))
             if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
                 continue
-            used = (_read_int(os.path.join(folder, used_file)) or 0) - _stat_value(os.path.join(folder, "memory.stat"), cache)
+            used = (_read_int(os.path.join(folder, used_file)) or 0) - _stat_value(
+                os.path.join(folder, "memory.stat"), cache)
             found.append(limit - max(used, 0))
     return max(min(found), 0) if found else None
 

@@ -114,7 +114,8 @@ class FullOptimizer:
             raise ValueError(f"the checkpoint's shards hold no tensor {missing[:10]} of this optimizer's {len(params)}")
         for g, m in masters.items():
             if tuple(m.shape) != tuple(trainable[g].shape):
-                raise ValueError(f"saved master of shape {tuple(m.shape)} for a tensor of shape {tuple(trainable[g].shape)}")
+                raise ValueError(f"saved master of shape {tuple(m.shape)} for a tensor of shape "
+                                 f"{tuple(trainable[g].shape)}")
             self.masters.update(dict.fromkeys(names.get(id(trainable[g]), []), m))
         _load(self.optimizer, moved, hparams)
 

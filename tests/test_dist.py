@@ -102,7 +102,8 @@ def test_only_a_collective_timeout_or_a_lost_peer_is_explained_by_heartbeats():
     wrapped.__cause__ = gloo
     assert dist.lost_peer(gloo) and dist.lost_peer(wrapped)
     assert dist.lost_peer(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
-    assert dist.lost_peer(torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error"))
+    nccl = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error")
+    assert dist.lost_peer(nccl)
     for other in (RuntimeError("DataLoader worker (pid 5) timed out after 300 seconds"), ValueError("timeout_s < 1"),
                   RuntimeError("CUDA out of memory")):
         assert not dist.lost_peer(other)
