@@ -229,13 +229,13 @@ class Heartbeat:
     Args:
         store: the process group's store (cloned here: a connection of its own).
         rank, world_size: this process's place.
-        timeout_s: ``dist.timeout_s``; the beat comes every ``min(5, timeout_s / 6)`` s, so a
+        timeout_s: ``dist.timeout_s``; the beat comes every ``min(5, timeout_s / 10)`` s, so a
             frozen rank's heartbeat is several beats old when a collective times out.
     """
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
-        self.interval_s = max(0.2, min(5.0, self.timeout_s / 6))
+        self.interval_s = max(0.2, min(5.0, self.timeout_s / 10))
         self.progress = None  # the Trainer's TrainingProgress (its .step), once it has one
         self._main = threading.main_thread().ident
         self._lock = threading.Lock()
@@ -272,19 +272,20 @@ class Heartbeat:
             self.store.set(self._key(self.rank), f"{step} {time.time():.3f} {self._where()}")
 
     def _run(self) -> None:
-        seen, since, told = None, time.monotonic(), False
+        seen, since, looks = None, time.monotonic(), [0.5, 0.75]
         while not self._stopped.wait(self.interval_s):
             try:
                 self._beat()
                 step = getattr(self.progress, "step", None)
                 if step != seen:
-                    seen, since, told = step, time.monotonic(), False
-                elif not told and step is not None and time.monotonic() - since > self.timeout_s / 2:
-                    # once per stall, before the timeout: NCCL's watchdog ends the process without
-                    # a Python exception, so this line may be all that names the silent rank
-                    told = True
+                    seen, since, looks = step, time.monotonic(), [0.5, 0.75]
+                elif looks and step is not None and time.monotonic() - since > looks[0] * self.timeout_s:
+                    # half-way and three quarters to the timeout: NCCL's watchdog ends the process
+                    # without a Python exception, so this line may be all that names the silent rank
+                    looks.pop(0)
                     silent, every = self._summary(self.read())
                     if silent:
+                        looks.clear()  # said once per stall
                         print(f"WARNING: rank {self.rank}: no step for {time.monotonic() - since:.0f} s, and {silent} "
                               f"stopped answering. Heartbeats: {every}", file=sys.stderr, flush=True)
             except Exception:  # the store's host is gone or busy: the next beat tries again
