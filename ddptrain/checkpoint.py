@@ -468,6 +468,10 @@ def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) ->
 
     A checkpoint written by another number of processes loads too, if every per-rank object in it
     can move: each then gets ``load_resharded(old_states, meta)`` instead of ``load_state_dict``.
+    A state saved per rank that this run holds once (a ZeRO optimizer resumed on one process) is
+    gathered the same way (``load_resharded`` of the shared object); one saved once that this run
+    holds per rank is dealt out (``load_unsharded(state, meta)``, else ``load_resharded([state],
+    meta)``): ddptrain/reshard.py.
 
     Returns:
         The checkpoint's meta.json.
@@ -492,20 +496,34 @@ def load(path: str, shared: dict, per_rank: dict, world_size: int, rank: int) ->
                 f"(ddptrain.load_weights on {os.path.join(path, 'model.safetensors')}).")
     trainer_state = _torch_load(os.path.join(path, "trainer.pt"))
     for key, obj in shared.items():
-        if key not in trainer_state:
-            raise CheckpointError(f"checkpoint {path} has no {key!r} state (trainer.pt holds {sorted(trainer_state)})")
+        # saved per rank (sharded: ZeRO, sharded masters, their EMA), one object here: gathered
+        gather = key not in trainer_state and key in saved_per_rank and hasattr(obj, "load_resharded")
+        if key not in trainer_state and not gather:
+            raise CheckpointError(f"checkpoint {path} has no {key!r} state (trainer.pt holds {sorted(trainer_state)}"
+                                  + (f"; its per-rank {key!r} state cannot be gathered into this run's)"
+                                     if key in saved_per_rank else ")"))
         try:
-            obj.load_state_dict(trainer_state[key])
+            if gather:
+                obj.load_resharded(_LazyRankStates(path, key, old_world), meta)
+            else:
+                obj.load_state_dict(trainer_state[key])
         except Exception as e:
             raise CheckpointError(f"checkpoint {path}: cannot load its {key!r} state: {type(e).__name__}: {e}") from e
     for key, obj in per_rank.items():
         if obj is None:
             continue
-        if key not in saved_per_rank:
+        # saved once (one process), sharded here: each rank takes its part (the same format, or load_unsharded)
+        deal = key not in saved_per_rank and key in trainer_state and (
+            hasattr(obj, "load_unsharded") or hasattr(obj, "load_resharded"))
+        if key not in saved_per_rank and not deal:
             raise CheckpointError(f"checkpoint {path} has no per-rank {key!r} state (it holds "
                                   f"{sorted(saved_per_rank) or 'none'})")
         try:
-            if old_world == world_size:
+            if deal and hasattr(obj, "load_unsharded"):
+                obj.load_unsharded(trainer_state[key], meta)
+            elif deal:
+                obj.load_resharded([trainer_state[key]], meta)
+            elif old_world == world_size:
                 obj.load_state_dict(_torch_load(os.path.join(path, f"{key}_rank{rank}.pt")))
             else:
                 obj.load_resharded(_LazyRankStates(path, key, old_world), meta)

@@ -12,10 +12,13 @@ the next collective.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import os
 import re
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -108,8 +111,13 @@ def setup(backend: str = "auto", timeout_s: float = 600.0, device: str = "auto",
     if backend == "nccl":
         kwargs["device_id"] = dev  # eager NCCL init: errors show up here, not at the first step
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = _restart_safe_store(rank, world_size, timeout)
     dist.init_process_group(backend=backend, timeout=timeout, world_size=world_size, rank=rank,
-                            store=_restart_safe_store(rank, world_size, timeout), **kwargs)
+                            store=store, **kwargs)
+    global _heartbeat
+    if _heartbeat is not None:  # a previous process group's
+        _heartbeat.stop()
+    _heartbeat = Heartbeat(store, rank, world_size, timeout_s)  # names a rank that stops answering
     return DistInfo(rank, world_size, local_rank, dev, backend)
 
 
@@ -189,10 +197,202 @@ def teardown() -> None:
     a peer still has work pending on it (hence the barrier), or a finished run's DDP reducer and
     gloo work objects, kept alive by reference cycles, are freed only while the interpreter shuts
     down (hence a collection first, while everything they touch still exists)."""
+    global _heartbeat
     if dist.is_initialized():
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+    if _heartbeat is not None:  # after the barrier: a rank waiting in it still answers
+        _heartbeat.stop()
+        _heartbeat = None
+
+
+# ----------------------------------------------------------------------------- who stopped answering
+
+
+class PeerTimeoutError(RuntimeError):
+    """A collective timed out; the message names the rank(s) that stopped answering (their last
+    heartbeat, step and place) and says what every rank was doing."""
+
+
+class Heartbeat:
+    """Each rank's sign of life in the rendezvous store, read when a collective times out.
+
+    Why: a collective that times out fails on the ranks that wait in it, which are the healthy
+    ones; the rank that stopped (SIGSTOP, a debugger, a hung driver call, a dead host) says
+    nothing, and torchrun's "root cause" is the healthy rank's error. So every rank writes, from
+    a thread, ``"<step> <time> <where>"`` under ``heartbeat/<rank>`` every ``interval_s``: a
+    frozen process stops writing, a rank waiting in a collective or busy in a slow ``loss_fn``
+    goes on (and says where its main thread is). One store write every few seconds per rank,
+    over its own connection; nothing in the training loop.
+
+    Args:
+        store: the process group's store (cloned here: a connection of its own).
+        rank, world_size: this process's place.
+        timeout_s: ``dist.timeout_s``; the beat comes every ``min(5, timeout_s / 10)`` s, so a
+            frozen rank's heartbeat is several beats old when a collective times out.
+    """
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.interval_s = max(0.2, min(5.0, self.timeout_s / 10))
+        self.progress = None  # the Trainer's TrainingProgress (its .step), once it has one
+        self._main = threading.main_thread().ident
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        try:
+            self.store = store.clone()
+            self.store.set_timeout(datetime.timedelta(seconds=max(2 * self.interval_s, 2.0)))
+        except Exception:  # a store without clone(): no heartbeat, errors stay as they are
+            self.store = None
+            return
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="ddptrain-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # ended before the interpreter is: never inside a store call at shutdown
+
+    def _key(self, rank: int) -> str:
+        return f"heartbeat/{rank}"
+
+    def _where(self) -> str:
+        """Where the main thread is: its innermost frame, and the innermost outside torch."""
+        frame = sys._current_frames().get(self._main)
+        places = []
+        while frame is not None and len(places) < 2:
+            code = frame.f_code
+            outside = os.sep + "torch" + os.sep not in code.co_filename
+            if not places or (outside and os.sep + "torch" + os.sep in places[0][1]):
+                places.append((code.co_name, code.co_filename, frame.f_lineno))
+            frame = frame.f_back
+        return " < ".join(f"{name} ({os.path.basename(file)}:{line})" for name, file, line in places) or "?"
+
+    def _beat(self) -> None:
+        step = getattr(self.progress, "step", -1)
+        with self._lock:
+            self.store.set(self._key(self.rank), f"{step} {time.time():.3f} {self._where()}")
+
+    def _run(self) -> None:
+        seen, since, looks = None, time.monotonic(), [0.5, 0.75]
+        while not self._stopped.wait(self.interval_s):
+            try:
+                self._beat()
+                step = getattr(self.progress, "step", None)
+                if step != seen:
+                    seen, since, looks = step, time.monotonic(), [0.5, 0.75]
+                elif looks and step is not None and time.monotonic() - since > looks[0] * self.timeout_s:
+                    # half-way and three quarters to the timeout: NCCL's watchdog ends the process
+                    # without a Python exception, so this line may be all that names the silent rank
+                    looks.pop(0)
+                    silent, every = self._summary(self.read())
+                    if silent:
+                        looks.clear()  # said once per stall
+                        print(f"WARNING: rank {self.rank}: no step for {time.monotonic() - since:.0f} s, and {silent} "
+                              f"stopped answering. Heartbeats: {every}", file=sys.stderr, flush=True)
+            except Exception:  # the store's host is gone or busy: the next beat tries again
+                pass
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if getattr(self, "_thread", None) is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        atexit.unregister(self.stop)
+
+    def read(self) -> dict[int, tuple[int, float, str]]:
+        """``{rank: (step, seconds since its last beat, where)}`` of the ranks whose heartbeat
+        could be read."""
+        out = {}
+        if self.store is None or not self._lock.acquire(timeout=2 * self.interval_s):
+            return out
+        try:
+            now = time.time()
+            for r in range(self.world_size):
+                try:
+                    if self.store.check([self._key(r)]):
+                        step, stamp, where = self.store.get(self._key(r)).decode().split(" ", 2)
+                        out[r] = (int(step), max(0.0, now - float(stamp)), where)
+                except Exception:
+                    continue
+        finally:
+            self._lock.release()
+        return out
+
+    def _summary(self, beats: dict) -> tuple[str, str]:
+        """(the silent ranks named with their last heartbeat, or ""; every rank's heartbeat)."""
+        stale = 3 * self.interval_s  # a healthy rank's heartbeat is at most one interval old
+        # a missing heartbeat counts only where this rank's own could be read (the store answers)
+        silent = sorted(r for r in range(self.world_size)
+                        if (r not in beats and self.rank in beats) or (r in beats and beats[r][1] > stale))
+
+        def at(step: int, where: str) -> str:
+            return f"{f'after step {step}' if step >= 0 else 'outside fit()'}, in {where}"
+
+        named = ", ".join(f"rank {r}" + (f" (last heartbeat {beats[r][1]:.0f} s ago, {at(beats[r][0], beats[r][2])})"
+                                         if r in beats else " (no heartbeat at all)") for r in silent)
+        every = "; ".join(f"rank {r}: {age:.0f} s ago, {at(step, where)}"
+                          for r, (step, age, where) in sorted(beats.items()))
+        return named, every
+
+    def explain(self, error: BaseException) -> Optional[PeerTimeoutError]:
+        """A :class:`PeerTimeoutError` naming who stopped answering, when ``error`` (or its cause)
+        is a collective's timeout or a lost peer; None for any other error."""
+        if not lost_peer(error):
+            return None
+        beats = self.read()
+        if not beats:
+            return None
+        silent, every = self._summary(beats)
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        if not silent and not _TIMED_OUT.search(" ".join(map(str, _chain(error)))):
+            return None  # a peer that crashed says so itself (its own error is the root cause)
+        if silent:
+            head = (f"rank {self.rank}: a collective did not complete within dist.timeout_s={self.timeout_s:g}: "
+                    f"{silent} stopped answering: that process is stopped (SIGSTOP, a debugger), frozen in a "
+                    "system or driver call, dead, or its host is unreachable. Look there first")
+        else:
+            head = (f"rank {self.rank}: a collective did not complete within dist.timeout_s={self.timeout_s:g}, "
+                    "and every rank still answers: one is busy elsewhere (a slow loss_fn or data loading, a "
+                    "collective only some ranks call): see where each one is")
+        return PeerTimeoutError(f"{head}. Heartbeats (every {self.interval_s:g} s): {every}. "
+                                f"The error on this rank: {first}")
+
+
+# what a collective's timeout or a vanished peer says (gloo, NCCL); not a DataLoader's timeout
+_LOST_PEER = re.compile(r"timed out waiting \d+ ?ms|gloo.*connection (closed|reset) by peer|watchdog caught collective "
+                        r"operation timeout|nccl.*(timeout|timed out|remote process exited)", re.IGNORECASE | re.DOTALL)
+
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def _chain(error: Optional[BaseException]) -> list[BaseException]:
+    """``error`` and the errors it wraps (causes, contexts)."""
+    seen: list[BaseException] = []
+    while error is not None and all(error is not e for e in seen) and len(seen) < 8:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it wraps) is a collective's timeout or a peer gone: a
+    c10d network / store error, or gloo's and NCCL's words for one."""
+    kinds = tuple(getattr(dist, k) for k in ("DistNetworkError", "DistStoreError") if hasattr(dist, k))
+    return any(isinstance(e, kinds) or _LOST_PEER.search(str(e)) for e in _chain(error))
+
+
+_heartbeat: Optional[Heartbeat] = None
+
+
+def follow_progress(progress) -> None:
+    """Let this rank's heartbeat say its step (``progress.step``, read by the heartbeat's thread)
+    and warn when it stalls with a peer silent; None: no step to watch (outside the loop)."""
+    if _heartbeat is not None:
+        _heartbeat.progress = progress
+
+
+def peer_timeout(error: BaseException) -> Optional[PeerTimeoutError]:
+    """:meth:`Heartbeat.explain` of this process's heartbeat; None without one, or for another error."""
+    return _heartbeat.explain(error) if _heartbeat is not None else None
 
 
 def is_initialized() -> bool:

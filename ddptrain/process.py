@@ -74,7 +74,7 @@ def budget_cpu_threads(loader: Any) -> None:
     torch.set_num_threads(max(1, usable_cpu_count() // local - workers))
 
 
-def usable_cpu_count(cgroup_root: str = "/sys/fs/cgroup") -> int:
+def usable_cpu_count(cgroup_root: str = "/sys/fs/cgroup", proc_root: str = "/proc") -> int:
     """The cores this process may use: its CPU affinity (taskset, a container's or SLURM's
     cpuset), else every core of the machine (``os.cpu_count()``, which ignores the affinity);
     at most its cgroup's CPU quota rounded up (``docker --cpus``, a Kubernetes CPU limit), which
@@ -83,40 +83,86 @@ def usable_cpu_count(cgroup_root: str = "/sys/fs/cgroup") -> int:
         cores = len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # no sched_getaffinity on macOS and Windows
         cores = os.cpu_count() or 1
-    quota = cgroup_cpu_quota(cgroup_root)
+    quota = cgroup_cpu_quota(cgroup_root, proc_root)
     return max(1, min(cores, math.ceil(quota))) if quota else cores
 
 
-def _own_cgroup() -> str:
-    """This process's cgroup v2 path (``/proc/self/cgroup``'s ``0::`` line), or "" if unreadable."""
+CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup hierarchies are mounted; tests pass a fake tree's root
+
+
+def own_cgroups(proc_root: str = "/proc") -> dict[str, str]:
+    """This process's cgroup paths from ``/proc/self/cgroup``: v1 lines
+    (``4:memory:/slurm/uid_0/job_1``) give one entry per controller (``"cpu,cpuacct"`` two), the
+    v2 line (``0::/user.slice/...``) the key ``""``; {} when unreadable."""
+    paths: dict[str, str] = {}
     try:
-        with open("/proc/self/cgroup") as f:
-            return next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
+        with open(os.path.join(proc_root, "self", "cgroup")) as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3:
+                    for controller in parts[1].split(",") if parts[1] else [""]:
+                        paths[controller] = parts[2]
     except OSError:
-        return ""
+        pass
+    return paths
 
 
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> Optional[float]:
+def _cgroup_mount(controller: str, proc_root: str, cgroup_root: str) -> tuple[str, str]:
+    """``(folder, root)`` of the hierarchy that holds ``controller`` (``""``: cgroup v2): where it
+    is mounted (re-rooted under ``cgroup_root``) and which cgroup the mount shows at its top (a
+    container without its own cgroup namespace sees its own cgroup there); from
+    ``/proc/self/mountinfo``, else the usual place (``cgroup_root/memory``, ``cgroup_root``)."""
+    try:
+        with open(os.path.join(proc_root, "self", "mountinfo")) as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields, kind = left.split(), right.split()
+                if not sep or len(fields) < 5 or len(kind) < 3:
+                    continue
+                if (kind[0] == "cgroup2" and not controller) or (
+                        kind[0] == "cgroup" and controller and controller in kind[2].split(",")):
+                    mount = fields[4].replace("\\040", " ")
+                    rel = os.path.relpath(mount, CGROUP_ROOT)
+                    folder = mount if rel.startswith("..") else os.path.normpath(os.path.join(cgroup_root, rel))
+                    return folder, fields[3]
+    except OSError:
+        pass
+    return (os.path.join(cgroup_root, controller) if controller else cgroup_root), "/"
+
+
+def cgroup_folders(controller: str, proc_root: str = "/proc", cgroup_root: str = CGROUP_ROOT) -> list[str]:
+    """The folders of this process's cgroup for ``controller`` (``""``: the v2 hierarchy) and of
+    each of its parents up to the top of the mount, deepest first: a limit of any of them applies
+    (Slurm's v1 ``memory:/slurm/uid_0/job_1`` limits the job two levels below the root). Folders
+    that do not exist are listed too: reading their files fails, and the caller skips them."""
+    folder, mount_root = _cgroup_mount(controller, proc_root, cgroup_root)
+    own = own_cgroups(proc_root).get(controller, "")
+    inside = own == mount_root or own.startswith(mount_root.rstrip("/") + "/")  # the mount's top is mount_root
+    rel = os.path.relpath(own, mount_root) if inside else own
+    parts = [p for p in rel.split("/") if p and p != "." and p != ".."]
+    return list(dict.fromkeys(os.path.join(folder, *parts[:k]) for k in range(len(parts), -1, -1)))
+
+
+def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_root: str = "/proc") -> Optional[float]:
     """CPUs' worth of time per period the process's cgroup may use, or None (no limit, or no
-    cgroup file readable). cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") of the own
-    cgroup (``/proc/self/cgroup``) or, inside a container's namespace, of the root; v1:
-    ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1 = no limit)."""
-    own = _own_cgroup()
-    for folder in dict.fromkeys([os.path.join(root, own.lstrip("/")), root]):
+    cgroup file readable): the tightest over its own cgroup and its parents
+    (:func:`cgroup_folders`). cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD"); v1:
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1 = no limit)."""
+    found = []
+    for folder in cgroup_folders("", proc_root, root):
         try:
             with open(os.path.join(folder, "cpu.max")) as f:
                 quota, period = f.read().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
+            if quota != "max":
+                found.append(int(quota) / int(period))
         except (OSError, ValueError):
             continue
-    try:
-        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
-            quota = int(f.read())
-        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
-            period = int(f.read())
-    except (OSError, ValueError):
-        return None
-    return quota / period if quota > 0 and period > 0 else None
+    for folder in cgroup_folders("cpu", proc_root, root):
+        quota, period = _read_int(os.path.join(folder, "cpu.cfs_quota_us")), \
+            _read_int(os.path.join(folder, "cpu.cfs_period_us"))
+        if quota is not None and period and quota > 0 and period > 0:
+            found.append(quota / period)
+    return min(found) if found else None
 
 
 def prepare_loader_workers(loader: Any, names: list[str]) -> None:
@@ -277,42 +323,42 @@ def _stat_value(path: str, key: str) -> int:
         return 0
 
 
-def cgroup_memory_available(root: str = "/sys/fs/cgroup") -> Optional[int]:
+def cgroup_memory_available(root: str = CGROUP_ROOT, proc_root: str = "/proc") -> Optional[int]:
     """Bytes the process's cgroup may still take before its memory limit, or None (no limit, or
-    no cgroup file readable). cgroup v2: ``memory.max`` minus ``memory.current`` (less its
-    reclaimable ``inactive_file`` page cache) of the own cgroup (``/proc/self/cgroup``) and each
-    of its parents, or inside a container's namespace of the root, the tightest; v1:
-    ``memory/memory.limit_in_bytes`` minus ``memory.usage_in_bytes`` (less ``total_inactive_file``)."""
-    parts = [p for p in _own_cgroup().strip("/").split("/") if p]
-    folders = [os.path.join(root, *parts[:k]) for k in range(len(parts), -1, -1)]
+    no cgroup file readable): the tightest over its own cgroup and each of its parents
+    (:func:`cgroup_folders`, read from ``/proc/self/cgroup`` and ``/proc/self/mountinfo``), v2
+    and v1 alike. v2: ``memory.max`` minus ``memory.current`` (less its reclaimable
+    ``inactive_file`` page cache); v1: ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``
+    (less ``total_inactive_file``), under the mount of the memory controller.
+
+    Args:
+        root, proc_root: where the cgroup hierarchies and ``/proc`` are (tests pass fake trees).
+    """
     found = []
-    for folder in dict.fromkeys(folders):
-        limit = _read_int(os.path.join(folder, "memory.max"))
-        if limit is not None:
-            used = (_read_int(os.path.join(folder, "memory.current")) or 0) - _stat_value(
-                os.path.join(folder, "memory.stat"), "inactive_file")
+    for controller, limit_file, used_file, cache in (("", "memory.max", "memory.current", "inactive_file"), (
+            "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+        for folder in cgroup_folders(controller, proc_root, root):
+            limit = _read_int(os.path.join(folder, limit_file))
+            if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
+                continue
+            used = (_read_int(os.path.join(folder, used_file)) or 0) - _stat_value(
+                os.path.join(folder, "memory.stat"), cache)
             found.append(limit - max(used, 0))
-    if found:
-        return max(min(found), 0)
-    limit = _read_int(os.path.join(root, "memory", "memory.limit_in_bytes"))
-    if limit is None or limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63 - 1
-        return None
-    used = (_read_int(os.path.join(root, "memory", "memory.usage_in_bytes")) or 0) - _stat_value(
-        os.path.join(root, "memory", "memory.stat"), "total_inactive_file")
-    return max(limit - max(used, 0), 0)
+    return max(min(found), 0) if found else None
 
 
-def available_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+def available_host_memory(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup",
+                          proc_root: str = "/proc") -> Optional[int]:
     """Host memory this process can still take, in bytes: the machine's ``MemAvailable``, at most
     what its cgroup's limit leaves; None when neither can be read."""
-    known = [b for b in (_meminfo_available(meminfo), cgroup_memory_available(cgroup_root)) if b is not None]
+    known = [b for b in (_meminfo_available(meminfo), cgroup_memory_available(cgroup_root, proc_root)) if b is not None]
     return min(known) if known else None
 
 
 def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what: str = "optim.offload=cpu",
                       reserve_bytes: float = 2**30, meminfo: str = "/proc/meminfo",
                       cgroup_root: str = "/sys/fs/cgroup", parts: Optional[dict[str, float]] = None,
-                      instead: str = "") -> Optional[int]:
+                      instead: str = "", proc_root: str = "/proc") -> Optional[int]:
     """Refuse, before training, a run whose ranks on this node need more host memory than is free.
 
     Every rank of the node calls it with its own need before any of them allocates (each then
@@ -324,7 +370,7 @@ def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what:
         local_world_size: ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``).
         what: the switch that needs the memory, for the message.
         reserve_bytes: kept free for the rest of the process (the Python heap, loader workers).
-        meminfo, cgroup_root: where to read (tests pass fakes).
+        meminfo, cgroup_root, proc_root: where to read (tests pass fakes).
         parts: what makes up ``needed_bytes_per_rank``, named (``{"the EMA ...": bytes}``), for
             the message: the share to cut is then visible.
         instead: the last remedy of the message (default: turn ``what``'s key off).
@@ -337,7 +383,7 @@ def check_host_memory(needed_bytes_per_rank: float, local_world_size: int, what:
             message has the numbers and what to change.
     """
 
-    available = available_host_memory(meminfo, cgroup_root)
+    available = available_host_memory(meminfo, cgroup_root, proc_root)
     if available is None:
         return None
     need = float(needed_bytes_per_rank) * max(int(local_world_size), 1)

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import cuda_graphs, dist, ema, preflight, regression, resume, runfolder, weights
+from ddptrain import cuda_graphs, dist, ema, preflight, regression, reshard, resume, runfolder, weights
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.metrics import reduce_ratios
-from ddptrain.optim import apply_hparams, build_scheduler, optimizer_state
+from ddptrain.optim import apply_hparams, build_scheduler
 from ddptrain.prepare import prepare_model, prepare_step, shard_grads
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
@@ -158,6 +158,7 @@ class Trainer:
             TrainingError: non-finite steps in a row, fp16 scale collapse, a broken loss_fn.
         """
         t, c, p = self.cfg.trainer, self.cfg.checkpoint, self.progress
+        dist.follow_progress(p)  # this rank's heartbeat says its step; a timeout names the silent rank
         try:
             # trainer.preflight: an out-of-memory error now, not in hours
             preflight.before_fit(t.preflight, self.one_step, self.train_data, self.logger.print)
@@ -189,7 +190,13 @@ class Trainer:
             if c.save_at_end and self._last_saved_step != p.step:
                 self.save()
             return p.last_eval
+        except RuntimeError as e:
+            stalled = dist.peer_timeout(e)  # a collective timed out: name the rank that stopped answering
+            if stalled is None:
+                raise
+            raise stalled from e
         finally:
+            dist.follow_progress(None)  # no step to watch outside fit (a rank-0-only export after it)
             self.preemption.restore()
             self.gc.stop()
             self.logger.flush()
@@ -319,8 +326,9 @@ class Trainer:
         shared = {"scheduler": self.scheduler, "precision": self.precision, "progress": self.progress}
         per_rank = {"rng": self.rng, "sampler": SamplerPosition(sampler, self.progress) if sampler
                     else LoaderPosition(self.progress)}
-        sharded = optimizer_state(self.optimizer, self.master)  # ZeRO's shard or the sharded masters
-        (per_rank if sharded else shared)["optimizer"] = sharded or self.optimizer
+        # ZeRO's shard or the sharded masters per rank, a plain optimizer once (ddptrain/reshard.py)
+        state, sharded = reshard.optimizer_checkpoint_state(self.optimizer, self.master, self.module)
+        (per_rank if sharded else shared)["optimizer"] = state
         if self.ema is not None:  # sharded as the optimizer is
             (per_rank if self.ema.sharded else shared)["ema"] = self.ema
         return shared, per_rank
@@ -371,8 +379,8 @@ class Trainer:
         meta = ckpt.load(path, shared, per_rank, self.info.world_size, self.info.rank)
         source, saved = weights.read_weights(path)
         weights.apply_weights(self.module, source, saved, strict=True, expect=weights.resume_keys(self.module, source))
-        if self.master:
-            self.master.load_state_dict(saved, self.module)
+        if self.master:  # exact fp32 masters gathered from a sharded checkpoint, if any, over their bf16 rounding
+            self.master.load_state_dict({**saved, **getattr(shared.get("optimizer"), "masters", {})}, self.module)
         if fresh:
             self.ema.reset()  # it starts from the resumed weights
             if self.info.is_main:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.config import ConfigError
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, check_host_memory, prepare_loader_workers
+from ddptrain import process
 
 
 def test_preemption_signal_sets_the_flag_and_restore_puts_the_old_handler_back():
@@ -157,9 +158,10 @@ def test_check_host_memory_reads_meminfo_and_cgroup(tmp_path, files, available_g
     meminfo, root = _meminfo(tmp_path, 10), _cgroup_files(tmp_path / "cg", files)
     (tmp_path / "cg").mkdir(exist_ok=True)
     half = (available_gib - 1) / 2 * 2**30  # two ranks' shares + the 1 GiB reserve: exactly what is there
-    assert check_host_memory(half, 2, meminfo=meminfo, cgroup_root=root) == available_gib * 2**30
+    proc = str(tmp_path / "proc")  # no /proc/self/cgroup: the usual mount places, at their top
+    assert check_host_memory(half, 2, meminfo=meminfo, cgroup_root=root, proc_root=proc) == available_gib * 2**30
     with pytest.raises(ConfigError) as e:
-        check_host_memory(half + 2**20, 2, meminfo=meminfo, cgroup_root=root)
+        check_host_memory(half + 2**20, 2, meminfo=meminfo, cgroup_root=root, proc_root=proc)
     msg = str(e.value)
     assert "optim.offload=cpu" in msg and f"{available_gib:.1f} GiB is available" in msg and "2 rank(s)" in msg
     assert "more nodes" in msg  # what to change
@@ -170,3 +172,79 @@ def test_check_host_memory_without_anything_to_read(tmp_path):
     with pytest.raises(ConfigError, match="lora.base_offload=cpu"):
         check_host_memory(2 * 2**30, 1, what="lora.base_offload=cpu", meminfo=_meminfo(tmp_path, 2),
                           cgroup_root=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- the process's own cgroup (issue 49 item 5)
+
+V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n"
+             "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+             "35 31 0:32 {root} /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+             "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+V2_MOUNTS = "31 23 0:28 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+GIB = 2**30
+
+
+@pytest.mark.parametrize("own, mounts, files, available", [
+    # Slurm, cgroup v1: the job's limit two levels below the root (which has none), its page cache reclaimable
+    ("4:memory:/slurm/uid_0/job_1\n2:cpu,cpuacct:/slurm/uid_0/job_1\n0::/\n", V1_MOUNTS.format(root="/"),
+     {"memory/memory.limit_in_bytes": "9223372036854771712\n",
+      "memory/slurm/uid_0/job_1/memory.limit_in_bytes": f"{4 * GIB}\n",
+      "memory/slurm/uid_0/job_1/memory.usage_in_bytes": f"{2 * GIB}\n",
+      "memory/slurm/uid_0/job_1/memory.stat": f"cache 5\ntotal_inactive_file {GIB}\n"}, 3 * GIB),
+    # v1, a parent tighter than the job: the tightest counts (the user's whole allocation)
+    ("4:memory:/slurm/uid_0/job_1/step_0\n", V1_MOUNTS.format(root="/"),
+     {"memory/slurm/uid_0/memory.limit_in_bytes": f"{5 * GIB}\n",
+      "memory/slurm/uid_0/memory.usage_in_bytes": f"{4 * GIB}\n",
+      "memory/slurm/uid_0/job_1/memory.limit_in_bytes": f"{8 * GIB}\n",
+      "memory/slurm/uid_0/job_1/memory.usage_in_bytes": f"{GIB}\n"}, GIB),
+    # v1 in a container without its own cgroup namespace: the mount's top is the container's cgroup
+    ("4:memory:/docker/abc\n", V1_MOUNTS.format(root="/docker/abc"),
+     {"memory/memory.limit_in_bytes": f"{6 * GIB}\n", "memory/memory.usage_in_bytes": "0\n"}, 6 * GIB),
+    # v2, nested: the own cgroup unlimited ("max"), its parent slice limited
+    ("0::/system.slice/train.scope\n", V2_MOUNTS,
+     {"system.slice/memory.max": f"{6 * GIB}\n", "system.slice/memory.current": f"{3 * GIB}\n",
+      "system.slice/memory.stat": f"anon 1\ninactive_file {GIB}\n",
+      "system.slice/train.scope/memory.max": "max\n", "system.slice/train.scope/memory.current": f"{GIB}\n"}, 4 * GIB),
+    # v2: the own cgroup tighter than its parent
+    ("0::/user.slice/job\n", V2_MOUNTS,
+     {"user.slice/memory.max": f"{6 * GIB}\n", "user.slice/memory.current": "0\n",
+      "user.slice/job/memory.max": f"{2 * GIB}\n", "user.slice/job/memory.current": "0\n"}, 2 * GIB),
+    # over the limit already: nothing left, not a negative number
+    ("0::/a\n", V2_MOUNTS, {"a/memory.max": f"{GIB}\n", "a/memory.current": f"{3 * GIB}\n"}, 0),
+    # "max" / unlimited everywhere, files missing, garbage: no limit
+    ("0::/a/b\n", V2_MOUNTS, {"a/memory.max": "max\n", "a/b/memory.max": "max\n"}, None),
+    ("4:memory:/slurm/uid_0/job_1\n", V1_MOUNTS.format(root="/"), {}, None),
+    ("4:memory:/slurm/uid_0/job_1\n", V1_MOUNTS.format(root="/"),
+     {"memory/slurm/uid_0/job_1/memory.limit_in_bytes": "garbage\n"}, None),
+    ("0::/gone\n", V2_MOUNTS, {"memory.max": f"{2 * GIB}\n"}, 2 * GIB),  # the own folder missing: its parents
+])
+def test_the_memory_limit_is_the_tightest_of_the_own_cgroup_and_its_parents(tmp_path, own, mounts, files, available):
+    root = _cgroup_files(tmp_path / "cg", files)
+    (tmp_path / "cg").mkdir(exist_ok=True)
+    proc = tmp_path / "proc" / "self"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(own)
+    (proc / "mountinfo").write_text(mounts)
+    assert process.cgroup_memory_available(root, str(tmp_path / "proc")) == available
+    # and the host-memory check of optim.offload / a host EMA compares against it
+    meminfo = _meminfo(tmp_path, 100)
+    expected = 100 * GIB if available is None else min(available, 100 * GIB)
+    assert process.available_host_memory(meminfo, root, str(tmp_path / "proc")) == expected
+
+
+def test_cgroup_files_that_cannot_be_read_mean_no_limit(tmp_path):
+    """No /proc/self/cgroup, no mountinfo, no cgroup tree: no limit, no error."""
+    assert process.cgroup_memory_available(str(tmp_path / "none"), str(tmp_path / "none")) is None
+    assert process.own_cgroups(str(tmp_path)) == {}
+
+
+def test_the_cpu_quota_of_a_nested_v1_cgroup_caps_the_threads(tmp_path):
+    root = _cgroup_files(tmp_path / "cg", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/slurm/uid_0/job_1/cpu.cfs_quota_us": "300000\n",
+        "cpu,cpuacct/slurm/uid_0/job_1/cpu.cfs_period_us": "100000\n"})
+    proc = tmp_path / "proc" / "self"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("4:memory:/slurm/uid_0/job_1\n2:cpu,cpuacct:/slurm/uid_0/job_1\n")
+    (proc / "mountinfo").write_text(V1_MOUNTS.format(root="/"))
+    assert process.cgroup_cpu_quota(root, str(tmp_path / "proc")) == 3.0

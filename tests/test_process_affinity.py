@@ -20,7 +20,7 @@ def threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine; an affinity below is what counts
-    monkeypatch.setattr(process, "cgroup_cpu_quota", lambda root="": None)  # not the test machine's own quota
+    monkeypatch.setattr(process, "cgroup_cpu_quota", lambda *a, **k: None)  # not the test machine's own quota
     yield
     torch.set_num_threads(before)
 
@@ -58,11 +58,12 @@ def _cgroup(root, files: dict) -> str:
 ])
 def test_a_cgroup_cpu_quota_caps_the_affinity(tmp_path, monkeypatch, files, cores):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert process.usable_cpu_count(_cgroup(tmp_path, files)) == cores
+    # no /proc/self/cgroup (a fake /proc): the usual mount places, at their top
+    assert process.usable_cpu_count(_cgroup(tmp_path, files), str(tmp_path / "proc")) == cores
 
 
 def test_the_quota_caps_the_thread_budget(threads, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    monkeypatch.setattr(process, "cgroup_cpu_quota", lambda root="": 4.0)  # docker --cpus=4
+    monkeypatch.setattr(process, "cgroup_cpu_quota", lambda *a, **k: 4.0)  # docker --cpus=4
     process.budget_cpu_threads(_Loader())
     assert torch.get_num_threads() == 1  # 4 CPUs of quota / 2 processes - 1 worker, not 8 / 2 - 1

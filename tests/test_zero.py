@@ -272,3 +272,101 @@ def test_sharded_masters_skip_a_non_finite_step_on_the_device(tmp_path):
             assert not torch.equal(third["params"][k], v), f"rank {r}: {k} did not train after the skip"
         assert all(torch.equal(a, b) for a, b in zip(first["masters"], bad["masters"]))
         assert all(torch.equal(first["state"][k], bad["state"][k]) for k in first["state"])
+
+
+# ----------------------------------------------------------------------------- one rank <-> several (issue 49 item 10)
+
+
+def _solo_worker(rank, world, out, run, extra):
+    """Steps 1-3 and 4-6 are 3 global batches an epoch (an epoch boundary at the save): 2 ranks
+    take one micro-batch each, 1 rank both (``trainer.grad_accum_steps=2``), the same global batch."""
+    torch.manual_seed(0)
+    data = [mb[rank] for mb in micro_batches(3)] if world == 2 else [b for mb in micro_batches(3) for b in mb]
+    cfg = make_cfg(os.path.join(out, run), "trainer.max_steps=6", "optim.zero=true", "checkpoint.every_steps=3",
+                   "checkpoint.keep_last=0", "scheduler.name=warmup_cosine", "scheduler.warmup_steps=2",
+                   f"trainer.grad_accum_steps={3 - world}", *extra)
+    trainer = ddptrain.Trainer(FrameMLP(), frame_loss, cfg, data)
+    if trainer.step:  # resumed: the optimizer state (and masters) as loaded, in global-index form
+        trainer.optimizer.zero_grad()
+        state = trainer._states()[1 if world == 2 else 0]["optimizer"]
+        loaded = {"state": state.state_dict(), "ema": trainer.ema.state_dict() if trainer.ema else None}
+        if trainer.master is not None and world == 1:
+            loaded["masters"] = {k: v.clone() for k, v in trainer.master.state_dict(trainer.module).items()}
+        torch.save(loaded, os.path.join(out, f"{run}_loaded_rank{rank}.pt"))
+    trainer.fit()
+    state = trainer.master.state_dict(trainer.module) if trainer.master is not None and world == 1 else None
+    torch.save({"params": params_of(trainer.module), "masters": state}, os.path.join(out, f"{run}_rank{rank}.pt"))
+
+
+def _plain_named_order(model):
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in ddptrain.optim.param_groups(model, 0.0) for p in g["params"]]
+
+
+def _in_process(fn, *args):
+    """A one-rank run in this process (no process group), as the user's ``python train.py``."""
+    fn(0, 1, *args)
+
+
+def _global_states(folder, names):
+    """{tensor name: (Adam state, master or None)} of a sharded checkpoint's optimizer files."""
+    out = {}
+    for f in sorted(folder.glob("optimizer_rank*.pt")):
+        st = torch.load(f, weights_only=False)
+        for local, g in enumerate(st["global_index"]):
+            out[names[g]] = (st["shard"]["state"].get(local, {}), st["masters"][local] if "masters" in st else None)
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("extra", [(), (*BF16, "optim.shard_grads=true", "ema.enabled=true")],
+                         ids=["zero", "sharded_masters_and_grads_ema"])
+def test_a_sharded_checkpoint_resumes_on_one_rank_and_a_one_rank_checkpoint_on_two(tmp_path, extra):
+    """2 ranks -> 1: the plain optimizer gets every shard's Adam state (and the exact fp32 masters,
+    which the weights file holds only rounded to bf16), and the run ends where the uninterrupted
+    2-rank run ends. 1 rank -> 2: each rank takes its partition, and the run ends where the
+    uninterrupted 1-rank run ends."""
+    model = FrameMLP()
+    plain_order = _plain_named_order(model)  # the plain optimizer's tensors, and ZeRO's global index
+    names = plain_order if not extra else [n for n, p in model.named_parameters() if p.requires_grad]
+    # 2 ranks uninterrupted, then 1 rank from its step 3
+    run_ranks(_solo_worker, 2, str(tmp_path), "two", extra)
+    mid = tmp_path / "two" / "checkpoints" / "step_00000003"
+    _in_process(_solo_worker, str(tmp_path), "two_to_one", (*extra, f"checkpoint.resume={mid}"))
+    loaded = torch.load(tmp_path / "two_to_one_loaded_rank0.pt", weights_only=False)
+    saved = _global_states(mid, names)
+    assert sorted(loaded["state"]["state"]) == list(range(len(plain_order)))
+    for i, name in enumerate(plain_order):
+        adam, master = saved[name]
+        assert adam and all(torch.equal(loaded["state"]["state"][i][k], v) for k, v in adam.items()), name
+        if master is not None:
+            assert torch.equal(loaded["masters"][name], master), f"{name}: the fp32 master, not its bf16 rounding"
+    if loaded["ema"] is not None:  # the EMA shards, gathered
+        for r in range(2):
+            for k, v in torch.load(mid / f"ema_rank{r}.pt", weights_only=False)["tensors"].items():
+                assert torch.equal(loaded["ema"]["tensors"][k], v), k
+    two = torch.load(tmp_path / "two_rank0.pt", weights_only=False)["params"]
+    one = torch.load(tmp_path / "two_to_one_rank0.pt", weights_only=False)["params"]
+    for k, v in two.items():  # 1 rank accumulating the 2 ranks' batches: the same sums, another order
+        torch.testing.assert_close(one[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+    # 1 rank uninterrupted, then 2 ranks from its step 3
+    _in_process(_solo_worker, str(tmp_path), "one", extra)
+    mid = tmp_path / "one" / "checkpoints" / "step_00000003"
+    assert not list(mid.glob("optimizer_rank*.pt"))  # one process: the optimizer is saved once
+    run_ranks(_solo_worker, 2, str(tmp_path), "one_to_two", (*extra, f"checkpoint.resume={mid}"))
+    full = torch.load(mid / "trainer.pt", weights_only=False)["optimizer"]["state"]
+    dealt = {}
+    for r in range(2):
+        st = torch.load(tmp_path / f"one_to_two_loaded_rank{r}.pt", weights_only=False)["state"]
+        for local, g in enumerate(st["global_index"]):
+            assert names[g] not in dealt, f"{names[g]} on two ranks"
+            dealt[names[g]] = st["shard"]["state"][local]
+    assert sorted(dealt) == sorted(plain_order)
+    for i, name in enumerate(plain_order):
+        assert all(torch.equal(dealt[name][k], v) for k, v in full[i].items()), name
+    one = torch.load(tmp_path / "one_rank0.pt", weights_only=False)["params"]
+    for r in range(2):
+        two = torch.load(tmp_path / f"one_to_two_rank{r}.pt", weights_only=False)["params"]
+        for k, v in one.items():
+            torch.testing.assert_close(two[k], v, rtol=1e-5, atol=1e-6, msg=f"rank {r}: {k}")

@@ -6,6 +6,7 @@ FAULT is ``none`` or ``KIND:RANK:STEP`` with KIND one of
   sigterm  - the rank sends itself SIGTERM before that step (preemption of one rank)
   sigkill  - the rank SIGKILLs itself before that step (a crash; torchrun may restart the job)
   raise    - the rank raises inside its loss function at that step (a bug / bad batch)
+  sigstop  - the rank SIGSTOPs itself before that step (a frozen rank: the others' timeout names it)
   killsave - the rank SIGKILLs itself in the middle of writing the checkpoint of that step
   baddata  - the rank's DataLoader worker raises in __getitem__ (a corrupt file) once it has
              served about STEP batches (workers read ahead, so a step or two earlier)
@@ -80,6 +81,9 @@ trainer = None
 
 def loss_fn(model, batch):
     step = trainer.step + 1
+    if kind == "sigstop" and should_fire(step):
+        fire()
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind in ("sigterm", "sigkill", "raise") and should_fire(step):
         fire()
         if kind == "sigterm":
