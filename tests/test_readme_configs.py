@@ -2,15 +2,20 @@
 
 The configs no other test runs to the end run here through their recipe's own ``main()`` on the
 CPU, each with its own switches (precision, param_dtype, compile, LoRA, optimizer, scheduler,
-loader settings) and only these overrides: a tiny model (the Conformer's dims shrunk,
+batch budgets) and only these overrides: a tiny model (the Conformer's dims shrunk,
 ``glmasr.preset=tiny``, a tiny random VoxCPM saved as a download is laid out), a few shipped
-utterances, ``trainer.max_steps=2``, the run folder and tokenizer under tmp. Two switches are
+utterances, ``trainer.max_steps=2``, the run folder and tokenizer under tmp. Three settings are
 changed because they cannot run here at a test's cost:
 
+- ``data.num_workers=0`` (the configs: 4 or 6 loader processes per loader): forking and joining
+  them on 2 shared cores made ~40 s of this module's ~65 s; loader workers are tested elsewhere
+  (tests/test_loader.py, the 2-rank recipe runs).
 - ``configs/glmasr.yaml``'s ``compile.enabled: true`` stays on, with ``compile.backend=eager``:
-  dynamo still captures the config's module classes (the regional path, guards, recompiles), but
-  inductor's C++ code generation, minutes on 2 CPU cores, is skipped. Its evaluation generates
-  ``glmasr.max_new_tokens=8`` tokens (the config: 200; a random model never stops early).
+  dynamo still captures the config's module classes (the regional path, guards, recompiles), with
+  no code generation: with the config's 200 tokens the run compiled 13 variants (train, eval,
+  generation's cache states), and even ``aot_eager`` took ~40 s of them here, inductor's C++ more.
+  Its evaluation generates ``glmasr.max_new_tokens=8`` tokens (the config: 200; a random model
+  never stops early).
 - The TTS configs' samples use ``tts.sample_timesteps=2``, ``tts.sample_max_ratio=0.5``.
 
 The guard test reads README.md and the docs/ pages it links for every config they name and
@@ -47,9 +52,11 @@ COVERED = {
     "tts_voxcpm2.yaml": "tests/test_example_tts_v2.py::test_full_fine_tune_from_the_folder",
     "tts_voxcpm2_dialect.yaml": "tests/test_tts_dialects.py::test_adapter_per_dialect_loads_on_the_base_with_upstreams_api",
 }
-RUN_HERE = ["asr_gpu.yaml", "glmasr.yaml", "tts_voxcpm15.yaml", "tts_voxcpm15_lora.yaml", "tts_voxcpm2_lora.yaml"]
+# The TTS configs run here, each with the tiny preset of its architecture (its tts.path's model).
 TTS_ARCH = {"tts_voxcpm15.yaml": "tiny", "tts_voxcpm15_lora.yaml": "tiny", "tts_voxcpm2_lora.yaml": "tiny-v2"}
-COMMON = ["trainer.max_steps=2", "logging.progress_bar=false", "logging.tensorboard=false"]
+# The README's configs run to their end by this module's tests.
+RUN_HERE = {"asr_gpu.yaml": "test_asr_gpu", "glmasr.yaml": "test_glmasr", **{c: "test_tts" for c in TTS_ARCH}}
+COMMON = ["trainer.max_steps=2", "data.num_workers=0", "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
 def named_configs() -> set[str]:
@@ -66,6 +73,7 @@ def test_every_config_the_readme_names_runs_to_its_end_in_a_test():
     assert {"asr_gpu.yaml", "tts_voxcpm2_lora.yaml", "tts_voxcpm2_dialect.yaml"} <= named  # the parse finds them
     missing = named - set(COVERED) - set(RUN_HERE)
     assert not missing, f"README.md names {sorted(missing)}: run each to its end in a test and list it here"
+    assert all(callable(globals().get(test)) for test in RUN_HERE.values())
     for config, test in COVERED.items():  # each named test still exists and still runs its config
         path, name = test.split("::")
         source = open(os.path.join(ROOT, path)).read()
@@ -142,7 +150,7 @@ def test_glmasr(digits, tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("config", ["tts_voxcpm15.yaml", "tts_voxcpm15_lora.yaml", "tts_voxcpm2_lora.yaml"])
+@pytest.mark.parametrize("config", list(TTS_ARCH))
 def test_tts(config, tts_folders, tmp_path, capsys):
     import finetune_tts as ft
 
