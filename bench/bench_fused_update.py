@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ddptrain.fused_update import FusedMasterAdamW  # noqa: E402
+from ddptrain.update.fused import FusedMasterAdamW  # noqa: E402
 from ddptrain.optim import param_groups, step_unless  # noqa: E402
 from ddptrain.precision import MasterWeights  # noqa: E402
 

@@ -107,7 +107,7 @@ from ddptrain.contract import to_device
 from ddptrain.ema import CHUNK_ELEMS as EMA_CHUNK_ELEMS
 from ddptrain.optim import param_groups
 from ddptrain.precision import KEEP_FP32
-from ddptrain.sharded_masters import partition
+from ddptrain.update.sharded import partition
 
 _ADAM = ("adam", "adamw")
 GiB = 2**30

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import OptimConfig, SchedulerConfig
-from ddptrain.sharded_masters import ShardedMasterState
+from ddptrain.update.sharded import ShardedMasterState
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
 if hasattr(nn, "RMSNorm"):

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ddptrain import dist, fused_update, offload
+from ddptrain import dist
+from ddptrain.update import fused as fused_update, host as offload
 from ddptrain.activation_offload import apply_offload
 from ddptrain.compile import EagerFallbacks, apply_compile, compile_whole
 from ddptrain.config import Config, ConfigError
@@ -26,9 +27,9 @@ from ddptrain.optim import build_optimizer
 from ddptrain.precision import MasterWeights, Precision
 from ddptrain.recompute import apply_recompute
 from ddptrain.sharded_grads import ShardedGradReducer
-from ddptrain.sharded_masters import ShardedMasterWeights
+from ddptrain.update.sharded import ShardedMasterWeights
 from ddptrain.streamed_base import place_model, stream_base
-from ddptrain.update import StepUpdate
+from ddptrain.update.step import StepUpdate
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain.fused_update import FusedMasterAdamW
+from ddptrain.update.fused import FusedMasterAdamW
 from ddptrain.precision import MasterWeights
 from test_precision import BF16, Weights, const_grad_loss
 from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
@@ -111,7 +111,7 @@ def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, m
     """optim.fused_update=auto (the default): on a GPU with Triton for bf16 masters under a plain,
     fused AdamW; off on the CPU, under another optimizer or AdamW's unfused kernels, with sharded or
     absent masters, without Triton; ``true`` refuses what ``auto`` passes over."""
-    from ddptrain import fused_update
+    from ddptrain.update import fused as fused_update
 
     assert ddptrain.load_config(None, []).optim.fused_update == "auto"
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -141,7 +141,7 @@ def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, m
 KERNEL_CHECK = r"""
 import torch
 from torch import nn
-from ddptrain.fused_update import FusedMasterAdamW, _BLOCK
+from ddptrain.update.fused import FusedMasterAdamW, _BLOCK
 from ddptrain.precision import MasterWeights
 from ddptrain.optim import param_groups
 

@@ -219,7 +219,7 @@ def _sharded_masters_worker(rank, world, out):
     cfg = _cfg("optim.zero=true", "trainer.device=cpu", "trainer.precision=bf16", "trainer.param_dtype=bf16")
     ddptrain.setup_distributed(cfg)
     from ddptrain.optim import build_optimizer
-    from ddptrain.sharded_masters import ShardedMasterWeights
+    from ddptrain.update.sharded import ShardedMasterWeights
 
     master = ShardedMasterWeights(model)
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"), master)
@@ -344,7 +344,7 @@ def test_model_path_offload_partition_and_chunks():
 
 
 def test_model_path_offload_matches_offloaded_masters():
-    offload = pytest.importorskip("ddptrain.offload")
+    offload = pytest.importorskip("ddptrain.update.host")
     torch.manual_seed(0)
     chunk_mb = 150 * 2 / 2**20
     est = _est(Blocks(), _cfg(*_BF, "optim.offload=cpu", f"optim.offload_chunk_mb={chunk_mb!r}"), 1)

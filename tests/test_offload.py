@@ -19,7 +19,7 @@ import ddptrain
 from _dist import run_ranks
 from ddptrain import preflight
 from ddptrain.config import ConfigError
-from ddptrain.offload import OffloadedMasters
+from ddptrain.update.host import OffloadedMasters
 from test_trainer import FEAT, FrameMLP, frame_loss, make_cfg, micro_batches, params_of
 
 STEPS = 20

@@ -53,7 +53,7 @@ from torch import nn
 from ddptrain.config import ConfigError
 from ddptrain.precision import cast_frozen, kept_fp32
 from ddptrain.process import agree_on_host_memory
-from ddptrain.sharded_masters import partition
+from ddptrain.update.sharded import partition
 
 
 def host_bytes_per_param() -> int:

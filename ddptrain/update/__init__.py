@@ -1,0 +1,1 @@
+"""The optimizer step and where model state lives."""
