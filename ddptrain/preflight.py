@@ -118,8 +118,7 @@ def release(step, collect: bool = True) -> None:
     traceback cycles hold the activations) garbage."""
     step.optimizer.zero_grad(set_to_none=True)  # the masters' gradients, if any
     step.model.zero_grad(set_to_none=True)
-    if step.update.master is not None:
-        step.update.master.zero_model_grads()  # offload: also what a failed backward had sent to the host
+    step.update.backend.drop_grads()  # the masters' own; offload: also what a failed backward had sent to the host
     step.precision.reset_scaler()  # a failed step may have left the scaler mid-step
     if collect:
         gc.collect()

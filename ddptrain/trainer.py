@@ -31,8 +31,8 @@ from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.metrics import reduce_ratios
-from ddptrain.optim import apply_hparams, build_scheduler, optimizer_state
-from ddptrain.prepare import prepare_model, prepare_step, shard_grads
+from ddptrain.optim import apply_hparams, build_scheduler
+from ddptrain.prepare import choice_for, prepare_model, prepare_step
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
 from ddptrain.steps import StepStream, StepSums, forward_backward, stateful_sampler
@@ -110,19 +110,19 @@ class Trainer:
         """Device, LoRA, recompute, compile, master weights, DDP (ddptrain/prepare.py; the tuner's too)."""
         cfg, info = self.cfg, self.info
         # logging.allreduce_share: how long each rank waits for the gradient all-reduce
-        ddp = info.distributed and info.world_size > 1 and not shard_grads(cfg, info.world_size)
+        ddp = info.distributed and info.world_size > 1 and not choice_for(cfg, info).shard_grads
         self.allreduce_timer = AllReduceTimer(self.device) if ddp and cfg.logging.allreduce_share else None
         m = self.prepared = prepare_model(model, cfg, info, self.allreduce_timer)
-        self.module, self.model, self.master, self.streamed = m.module, m.model, m.master, m.streamed
+        self.module, self.model, self.backend, self.streamed = m.module, m.model, m.backend, m.streamed
         self.adapted, self.recomputed, self.compiled = m.adapted, m.recomputed, m.compiled
         self.activation_offload = m.activation_offload
 
     def _setup_optimizer(self) -> None:
-        """Optimizer (plain or ZeRO, over the masters if any), precision policy, LR schedule."""
+        """Optimizer (built by the backend), precision policy, the update, the EMA, CUDA graphs."""
         s = self.one_step = prepare_step(self.prepared, self.loss_fn, self.cfg, self.info)  # all preflight sees
         self.optimizer, self.precision, self.update = s.optimizer, s.precision, s.update
         self.guard = StepGuard(self.cfg.trainer, self.precision, self.progress)  # prints through the logger, once made
-        self.ema = ema.build(self.cfg.ema, self.module, self.master, self.optimizer, self.device)  # ema.enabled, else None
+        self.ema = ema.build(self.cfg.ema, self.module, self.backend.ema_follows(), self.device)  # ema.enabled, else None
         self.graphs = cuda_graphs.for_run(self.cfg, s, self.info.world_size)  # compile.cuda_graphs, else None
 
     def _setup_data(self) -> None:
@@ -315,8 +315,9 @@ class Trainer:
         shared = {"scheduler": self.scheduler, "precision": self.precision, "progress": self.progress}
         per_rank = {"rng": self.rng, "sampler": SamplerPosition(sampler, self.progress) if sampler
                     else LoaderPosition(self.progress)}
-        sharded = optimizer_state(self.optimizer, self.master)  # ZeRO's shard or the sharded masters
-        (per_rank if sharded else shared)["optimizer"] = sharded or self.optimizer
+        mine, theirs = self.backend.states()  # the optimizer: saved once, or each rank its shard
+        shared.update(mine)
+        per_rank.update(theirs)
         if self.ema is not None:  # sharded as the optimizer is
             (per_rank if self.ema.sharded else shared)["ema"] = self.ema
         return shared, per_rank
@@ -329,7 +330,8 @@ class Trainer:
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
         if self.ema is not None:
             meta["ema"] = self.ema.meta()  # whether the metrics measured the EMA (exports follow that)
-        tensors, header = weights.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
+        tensors, header = weights.weights_to_save(self.module, self.backend.weights(self.module), c.trainable_only,
+                                                  c.base_model)
         files = {weights.WEIGHTS: lambda path: weights.save_weights(tensors, path, header),
                  "config.yaml": to_yaml(self.cfg)}
         if self._folders:  # a resume may then name the same folder at another path
@@ -359,8 +361,7 @@ class Trainer:
         meta = ckpt.load(path, shared, per_rank, self.info.world_size, self.info.rank)
         source, saved = weights.read_weights(path)
         weights.apply_weights(self.module, source, saved, strict=True, expect=weights.resume_keys(self.module, source))
-        if self.master:
-            self.master.load_state_dict(saved, self.module)
+        self.backend.load_weights(saved, self.module)  # the fp32 masters from the weights file, if any
         if fresh:
             self.ema.reset()  # it starts from the resumed weights
             if self.info.is_main:

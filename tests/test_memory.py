@@ -222,7 +222,7 @@ def _sharded_masters_worker(rank, world, out):
     from ddptrain.update.sharded import ShardedMasterWeights
 
     master = ShardedMasterWeights(model)
-    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), master)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"), master.to_master, local_only=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randn(4, 7), torch.randint(0, 50, (4,))).float().square().sum().backward()
     master.load_grads(1.0)
@@ -265,7 +265,7 @@ _CHUNK = f"optim.offload_chunk_mb={1000 * 2 / 2**20!r}"  # 1000 bf16 elements a 
 def _tier(name):
     zero, shard_grads, offload = {"ddp": (False, False, False), "zero": (True, False, False),
                                   "shard_grads": (True, True, False), "offload": (True, True, True),
-                                  "offload_full_grads": (False, False, True)}[name]
+                                  "offload_full_grads": (True, False, True)}[name]
     cfg = _cfg(*_BF, _CHUNK, f"optim.zero={str(zero).lower()}", f"optim.offload={'cpu' if offload else 'none'}")
     cfg.optim.shard_grads = shard_grads  # set by hand: the estimate reads the key wherever ddptrain defines it
     return cfg

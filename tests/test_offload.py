@@ -47,7 +47,7 @@ def _run(out, run, data, *extra, make_model=FrameMLP, watch=None):
         if watch is not None:
             watch(trainer)
         trainer.fit()
-        master = trainer.master
+        master = trainer.backend.master
     return params_of(model), losses, master
 
 
@@ -99,7 +99,7 @@ def test_offload_one_rank_sends_the_last_backwards_gradients_during_it(tmp_path)
             return getattr(self.real, name)
 
         def __call__(self, *a, **k):
-            master = self.trainer.master
+            master = self.trainer.backend.master
             seen.append(([p.grad is not None for p in master.trainable], list(master._sent)))
             return self.real(*a, **k)
 
@@ -193,11 +193,11 @@ def test_offload_skips_a_non_finite_step_and_counts_it(tmp_path):
 
         def watch(micro, real=trainer.train_step):
             if trainer.step == 2:
-                before.update({k: m.detach().clone() for k, m in enumerate(trainer.master.to_master.values())})
+                before.update({k: m.detach().clone() for k, m in enumerate(trainer.backend.master.to_master.values())})
             out = real(micro)
             if trainer.step == 3:
                 assert not out["stepped"]
-                after = {k: m.detach() for k, m in enumerate(trainer.master.to_master.values())}
+                after = {k: m.detach() for k, m in enumerate(trainer.backend.master.to_master.values())}
                 assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed a master"
             return out
 
@@ -283,7 +283,7 @@ def test_a_preflight_step_that_fails_mid_backward_leaves_the_offload_nothing(tmp
     def fail_once(trainer):
         step = trainer.one_step
         oom = preflight.train_once(dataclasses.replace(step, loss_fn=_oom_loss), data[0], "preflight")
-        failed.append((oom, list(trainer.master._sent)))
+        failed.append((oom, list(trainer.backend.master._sent)))
         preflight.release(step)
 
     after, after_losses, master = _run(tmp_path, "after", data, *SMALL_CHUNKS, watch=fail_once)

@@ -17,8 +17,7 @@ from typing import Optional
 
 import torch
 
-from ddptrain.optim import is_zero, skips_on_device, step_unless
-from ddptrain.precision import MasterWeights, Precision
+from ddptrain.precision import Precision
 
 
 class HostReport:
@@ -53,42 +52,29 @@ class HostReport:
 
 
 class StepUpdate:
-    """Args:
-        optimizer: plain or ZeRO; with ``master``, it updates the fp32 masters.
+    """The common part of every backend's step: all-reduce, normalise, clip, judge; then the
+    backend steps (or skips) and drops the gradients.
+
+    Args:
+        backend: the run's :class:`ddptrain.update.backend.Backend` (started: its optimizer built).
         precision: autocast / GradScaler policy (fp16 keeps GradScaler's own skip).
-        master: the :class:`MasterWeights` of a bf16 model, or None.
-        params: the model's trainable parameters (their ``.grad`` is what backward filled).
         world_size: processes in the step's all-reduce (1 without a process group).
         clip: ``trainer.clip_grad_norm`` (0 = off).
         device: the training device.
-        sharded_grads: each rank holds the gradients of its own partition only
-            (``optim.shard_grads``): the global norm is the root of the ranks' summed squares.
-        keep_grads: zero the model's gradients in place instead of freeing them
-            (``compile.cuda_graphs``: a captured backward accumulates into those very tensors).
-        fused: the :class:`ddptrain.fused_update.FusedMasterAdamW` of ``optim.fused_update``, which
-            then steps in place of ``optimizer``, on the device (skipped there if not finite).
     """
 
-    def __init__(self, optimizer, precision: Precision, master: Optional[MasterWeights], params: list,
-                 world_size: int, clip: float, device: torch.device, sharded_grads: bool = False,
-                 keep_grads: bool = False, fused=None):
-        self.optimizer, self.precision, self.master, self.params = optimizer, precision, master, params
+    def __init__(self, backend, precision: Precision, world_size: int, clip: float, device: torch.device):
+        self.backend, self.precision = backend, precision
         self.world_size, self.clip, self.device = world_size, clip, device
-        self.sharded_grads, self.keep_grads, self.fused = sharded_grads, keep_grads, fused
-        self._owned = ({id(p) for g in optimizer.optim.param_groups for p in g["params"]}
-                       if is_zero(optimizer) else None)  # the masters this rank updates
-        # A fused optimizer can skip a non-finite step on the device: the step is then queued
-        # before the host has read whether it was finite, and the GPU does not idle while the
-        # host launches it. fp16 keeps GradScaler's skip, other optimizers decide on the host.
-        self.on_device = fused is not None or (precision.mode != "fp16" and skips_on_device(optimizer))
-        self.offloaded = getattr(master, "offloaded", False)  # ddptrain/offload.py steps on the host
         self.report = HostReport(device)
 
+    params = property(lambda self: self.backend.params, doc="the model's trainable parameters")
+    on_device = property(lambda self: self.backend.on_device,
+                         doc="a non-finite step is skipped on the device (queued before the host reads the verdict)")
+
     def before_backward(self, last: bool) -> None:
-        """Called before each micro-batch's backward: during the step's last one, an offloaded
-        master on one rank (ddptrain/offload.py) takes each gradient to the host as it is made."""
-        if self.offloaded and self.master.streams:
-            self.master.streaming = last
+        """Called before each micro-batch's backward (``last``: the step's last one)."""
+        self.backend.before_backward(last)
 
     def __call__(self, loss_sum: torch.Tensor, units_dev: torch.Tensor, units_host: float,
                  negative: torch.Tensor, preempt: bool, unit_scale: float) -> dict:
@@ -105,16 +91,11 @@ class StepUpdate:
             ``loss_sum``, ``units``, ``grad_norm``, ``negative`` (global, as floats),
             ``preempt`` (any rank) and ``stepped``.
         """
-        self.precision.unscale_(self.optimizer)  # fp16: true (unscaled) gradients from here on
-        grads = [p.grad for p in self.params if p.grad is not None]
+        backend = self.backend
+        self.precision.unscale_(backend.optimizer)  # fp16: true (unscaled) gradients from here on
         f64 = dict(dtype=torch.float64, device=self.device)
-        if self.offloaded and self.master.sent():  # one rank: most gradients are on the host already
-            raw_norm = self.master.grad_norm().double()
-        else:
-            raw_norm = (torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).double()
-                        if grads else torch.zeros((), **f64))
-        if self.sharded_grads:
-            raw_norm = raw_norm.square()  # summed over the ranks' disjoint shards by the all-reduce
+        # this rank's part: its norm, or under sharded gradients its squared norm (summed by the all-reduce)
+        raw_norm = backend.grad_norm()
         # Host values enter through torch.full, not torch.tensor: a copy from a host scalar would
         # block the host until the backward has finished (a second sync per step, seen on a GPU).
         flags = torch.stack([loss_sum, units_dev + torch.full((), units_host, **f64),
@@ -125,63 +106,26 @@ class StepUpdate:
         # DDP has averaged the gradients, so every rank holds the same ones and the same norm
         # (sharded gradients: the same average, each rank its own tensors)
         factor = self.world_size / (units_t.clamp_min(1e-12) * unit_scale)
-        norm_t = (norm_sum.sqrt() if self.sharded_grads else norm_sum / self.world_size) * factor
+        norm_t = (norm_sum.sqrt() if backend.shards_grads else norm_sum / self.world_size) * factor
         # a broken unit count (negative, NaN, inf: contract.unit_faults) never steps, even by zero
         finite_t = torch.isfinite(norm_t) & torch.isfinite(loss_t) & (units_t > 0) & (negative_t == 0)
         if self.clip > 0:
             factor = factor * torch.where(norm_t > self.clip, self.clip / (norm_t + 1e-6), 1.0)
         report = torch.stack([loss_t, units_t, stop_t, norm_t, finite_t.double(), negative_t, factor])
-        if self.offloaded:
-            # the host updates the masters: it needs the verdict and the factor anyway, and a
-            # non-finite step is skipped before a gradient leaves the GPU
-            loss, units, stop, norm, finite, negative, factor = report.tolist()
-            stepped = finite > 0
-            if stepped:
-                self.master.step(self.optimizer, factor)
-        elif self.on_device:
+        if backend.on_device:
             self.report.send(report)  # read once the step's kernels are queued behind it
-            if self.fused is not None:
-                # reads the model's bf16 gradients x factor and writes masters, moments and bf16 weights
-                self.fused.step(factor, (~finite_t).float())
-            else:
-                # the fused kernel applies the factor itself (grad / grad_scale, skipped where not
-                # finite), so no separate multiply runs over the gradients
-                self._scale_grads(grads, None)
-                step_unless(self.optimizer, found_inf=(~finite_t).float(), grad_scale=factor.reciprocal().float())
-                if self.master:
-                    self.master.copy_to_model()  # after a skip the masters are unchanged: a no-op copy
+            backend.step(factor, (~finite_t).float())
             loss, units, stop, norm, finite, negative, _ = self.report.read()
             stepped = finite > 0
         else:
+            # the host decides: a non-finite step is skipped before anything is updated (and, for
+            # the host backend, before a gradient leaves the GPU)
             loss, units, stop, norm, finite, negative, factor = report.tolist()
             stepped = False
             if finite > 0:
-                self._scale_grads(grads, factor)
-                stepped = self.precision.step(self.optimizer)  # fp16: False if the scaler skipped it
-                if stepped and self.master:
-                    self.master.copy_to_model()
+                stepped = backend.step(factor, None)
             else:
-                self.precision.skip()  # fp16: the scaler lowers its scale after an overflow
-        self._zero_grads(grads)
+                backend.skip()  # fp16: the scaler lowers its scale after an overflow
+        backend.zero_grad()
         return {"loss_sum": loss, "units": units, "grad_norm": norm, "negative": negative,
                 "preempt": stop > 0, "stepped": stepped}
-
-    def _zero_grads(self, grads: list) -> None:
-        if self.keep_grads:
-            torch._foreach_zero_(grads)  # the model's, kept where a graph writes them
-            if self.master:
-                self.master.drop_master_grads()  # the fp32 masters' (the ones that are not the model's)
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.master:
-            self.master.zero_model_grads()
-
-    def _scale_grads(self, grads: list, factor) -> None:
-        """Gradients x ``factor`` (a float; None: left to the optimizer); with masters, into their
-        fp32 gradients (only this rank's shard under ZeRO)."""
-        if not grads:
-            return
-        if self.master:
-            self.master.load_grads(factor, self._owned)
-        elif factor is not None:
-            torch._foreach_mul_(grads, factor)
