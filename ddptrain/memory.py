@@ -40,10 +40,10 @@ bf16 weights + fp32 masters                 16 (+4 transient) 0
 
 The first row's 4 transient bytes are the fp32 gradients the step makes for the masters; the fused
 update (``optim.fused_update``, on by default on a GPU where it applies) reads the bf16 gradients
-itself and makes none. Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split
+itself and makes none. Sharded masters (ddptrain/update/sharded.py): the fp32 masters are split
 with the Adam state, and the step makes a transient fp32 gradient for the rank's own masters
 (``master_grads``: 4 or 4/N B). Sharded gradients: each rank keeps the bf16 gradients of its own
-partition only. Optimizer offload (ddptrain/offload.py): the masters (4 B), AdamW moments (8 B) and a bf16
+partition only. Optimizer offload (ddptrain/update/host.py): the masters (4 B), AdamW moments (8 B) and a bf16
 staging copy of the gradients and weights (2 B) of each rank's partition live in pinned host
 memory, with one chunk (``optim.offload_chunk_mb``, MB of bf16 gradients) of fp32 gradient
 scratch; the GPU keeps the bf16 weights and gradients only (no GPU-side staging: the copies go
@@ -70,7 +70,7 @@ masters briefly copies the trained weights to the host (not counted here).
 Given a model (not only a parameter count) the estimate uses the real dtypes, counts frozen
 parameters as parameters only, reproduces the partition (ZeroRedundancyOptimizer's greedy one
 per parameter group, or the sharded masters' over all trainable tensors) so the optimizer
-figure is that of the most loaded rank, cuts offload's chunks as ddptrain/offload.py does, and
+figure is that of the most loaded rank, cuts offload's chunks as ddptrain/update/host.py does, and
 picks a streamed base's blocks as ddptrain/streamed_base.py does (``lora.stream_blocks``, else
 the children of the largest ``nn.ModuleList``: a decoder's layers).
 
@@ -156,7 +156,7 @@ def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int
 
 def _offload_host(sizes: list[int], fp32: list[bool], owners: list[int], world_size: int,
                   chunk_elems: int, per_state: int) -> dict:
-    """Host bytes of the most loaded rank under ddptrain/offload.py's layout: per owned element a
+    """Host bytes of the most loaded rank under ddptrain/update/host.py's layout: per owned element a
     4 B master, the optimizer state and a staging copy in the model dtype (2 B; 4 for tensors kept
     fp32), plus fp32 scratch for the largest chunk (whole tensors, cut once a run reaches
     ``chunk_elems``)."""

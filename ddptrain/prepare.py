@@ -27,7 +27,8 @@ from ddptrain.recompute import apply_recompute
 from ddptrain.streamed_base import place_model, stream_base
 from ddptrain.update import backend as backends
 from ddptrain.update.backend import Backend
-from ddptrain.update.choose import Choice, choose
+from ddptrain.throughput import AllReduceTimer
+from ddptrain.update.choose import choose
 from ddptrain.update.step import StepUpdate
 
 
@@ -44,6 +45,7 @@ class PreparedModel:
     compiled: list  # regionally compiled module names
     streamed: Optional[Any]  # lora.base_offload's streamed base
     fallbacks: EagerFallbacks  # compiled functions dynamo runs eagerly (past compile.recompile_limit)
+    allreduce_timer: Optional[Any] = None  # logging.allreduce_share under DDP: a throughput.AllReduceTimer
 
 
 @dataclass(frozen=True)
@@ -59,27 +61,22 @@ class OneStep:
     device: torch.device
 
 
-def choice_for(cfg: Config, info: dist.DistInfo) -> Choice:
-    """The optimizer backend this process's run takes (:func:`ddptrain.update.choose.choose`)."""
-    return choose(cfg, info.world_size, info.device)
-
-
-def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
-                  allreduce_timer: Optional[Any] = None) -> PreparedModel:
+def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo, time_allreduce: bool = False) -> PreparedModel:
     """Device, LoRA, recompute, compile, master weights, DDP: the order each of them needs.
 
     Args:
         model: the model as the recipe built it; modified in place.
         cfg: the whole config (``trainer``, ``lora``, ``recompute``, ``compile``, ``optim``, ``dist``).
         info: this process's place (``dist.setup_for(cfg)``).
-        allreduce_timer: a :class:`ddptrain.throughput.AllReduceTimer` DDP's comm hook reports to, or None.
+        time_allreduce: under DDP, time how long each rank waits for the gradient all-reduce
+            (``logging.allreduce_share``: a :class:`ddptrain.throughput.AllReduceTimer` its comm hook reports to).
 
     Raises:
         ConfigError: a combination no optimizer backend serves on this many processes
             (:func:`ddptrain.update.choose.choose`).
     """
     device = info.device
-    choice = choice_for(cfg, info)  # before the model is touched: a refused set-up changes nothing
+    choice = choose(cfg, info.world_size, device)  # before the model is touched: a refused set-up changes nothing
     # lora.base_offload: the streamed base stays off the GPU; LoRA first: recompute/compile/masters/DDP see its params
     model, lc = place_model(model, device, cfg), cfg.lora
     adapted = apply_lora(model, lc.targets, lc.rank, lc.alpha, lc.dropout, lc.trainable) if lc.enabled else []
@@ -91,6 +88,7 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
     streamed = stream_base(model, cfg, device, recomputed)  # after the masters' casts, before DDP
     wrapped = backend.reducer(model, cfg)  # optim.shard_grads: each rank reduces into its own shard, no DDP
     ddp = wrapped is None and info.distributed
+    allreduce_timer = AllReduceTimer(device) if ddp and info.world_size > 1 and time_allreduce else None
     if ddp:
         wrapped = dist.wrap_ddp(model, cfg.dist, device, allreduce_timer)
     wrapped = model if wrapped is None else wrapped
@@ -99,7 +97,7 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo,
         wrapped = compile_whole(wrapped, cfg.compile, cfg.dist.bucket_cap_mb if ddp else None,
                                 recomputed=len(recomputed))
     return PreparedModel(model, wrapped, backend, adapted, recomputed, activation_offload, compiled, streamed,
-                         EagerFallbacks(cfg.compile.enabled))
+                         EagerFallbacks(cfg.compile.enabled), allreduce_timer)
 
 
 def prepare_step(prepared: PreparedModel, loss_fn: Callable, cfg: Config, info: dist.DistInfo) -> OneStep:

@@ -32,11 +32,11 @@ from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.metrics import reduce_ratios
 from ddptrain.optim import apply_hparams, build_scheduler
-from ddptrain.prepare import choice_for, prepare_model, prepare_step
+from ddptrain.prepare import prepare_model, prepare_step
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
 from ddptrain.steps import StepStream, StepSums, forward_backward, stateful_sampler
-from ddptrain.throughput import AllReduceTimer, FlopsFn, ThroughputWindow
+from ddptrain.throughput import FlopsFn, ThroughputWindow
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -109,10 +109,9 @@ class Trainer:
     def _setup_model(self, model: nn.Module) -> None:
         """Device, LoRA, recompute, compile, master weights, DDP (ddptrain/prepare.py; the tuner's too)."""
         cfg, info = self.cfg, self.info
-        # logging.allreduce_share: how long each rank waits for the gradient all-reduce
-        ddp = info.distributed and info.world_size > 1 and not choice_for(cfg, info).shard_grads
-        self.allreduce_timer = AllReduceTimer(self.device) if ddp and cfg.logging.allreduce_share else None
-        m = self.prepared = prepare_model(model, cfg, info, self.allreduce_timer)
+        # logging.allreduce_share: how long each rank waits for DDP's gradient all-reduce
+        m = self.prepared = prepare_model(model, cfg, info, time_allreduce=cfg.logging.allreduce_share)
+        self.allreduce_timer = m.allreduce_timer
         self.module, self.model, self.backend, self.streamed = m.module, m.model, m.backend, m.streamed
         self.adapted, self.recomputed, self.compiled = m.adapted, m.recomputed, m.compiled
         self.activation_offload = m.activation_offload

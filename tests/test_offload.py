@@ -1,4 +1,4 @@
-"""Optimizer offload (optim.offload=cpu, ddptrain/offload.py) against the on-device update.
+"""Optimizer offload (optim.offload=cpu, ddptrain/update/host.py) against the on-device update.
 
 On CPU the offload path runs its whole machinery (partition, staging buffer, chunked host
 update with the optimizer's own step, broadcast of each owner's weights) without streams. Both
