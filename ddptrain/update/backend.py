@@ -8,19 +8,18 @@ verdict) is :class:`ddptrain.update.step.StepUpdate`'s, for every backend; it as
 the gradient norm and for the step. Which backend a run takes is decided by
 :func:`ddptrain.update.choose.choose` only.
 
-=============  ==============================================  ==================  ==========================
-backend        what it keeps                                   GPU B/param         host B/param (per rank)
-=============  ==============================================  ==================  ==========================
-replicated     fp32 weights, a torch optimizer (ZeRO-1:        16 (ZeRO: 8 + 8/N)  0
-               ZeroRedundancyOptimizer)
-masters        bf16 weights, fp32 masters, torch AdamW or      16 (+4 transient    0
-               the fused Triton kernel                         unless fused)
-sharded        bf16 weights, each rank its partition's fp32    4 + 12/N (shard_    0
-               masters + state (ddptrain/update/sharded.py)    grads: 2/N + 2 +
-                                                               12/N, less 2)
-host           bf16 weights on the GPU; masters + state in     2 + 2 (1 rank: 2;   (4 + 8 + 2) / N
-               pinned host memory (ddptrain/update/host.py)    shard_grads 2+2/N)
-=============  ==============================================  ==================  ==========================
+==========  ==========================================  ==========================  ===================
+backend     what it keeps                               GPU B/param (AdamW)         host B/param
+==========  ==========================================  ==========================  ===================
+replicated  fp32 weights and a torch optimizer          16; ZeRO-1: 8 + 8/N         0
+            (ZeRO-1: ZeroRedundancyOptimizer)
+masters     bf16 weights, fp32 masters; torch AdamW     16 (+4 transient unless     0
+            or the fused Triton kernel                  the kernel runs)
+sharded     bf16 weights; each rank its partition's     4 + 12/N; shard_grads:      0
+            fp32 masters + state                        2 + 2/N + 12/N
+host        bf16 weights on the GPU; masters + state    2 + 2 (1 rank: 2;           (4 + 8 + 2)/N
+            in pinned host memory                       shard_grads: 2 + 2/N)
+==========  ==========================================  ==========================  ===================
 
 (AdamW; the exact parts, per backend, are each class's :meth:`Backend.rates`.) The backends wrap the
 classes that hold the tensors (:class:`ddptrain.precision.MasterWeights`,
