@@ -236,8 +236,9 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
 
     Raises:
         ValueError: world_size < 1, a negative parameter count (or more trainable than all), an
-            optimizer with no rule, offload without ``param_dtype: bf16`` (or with ``ema.device:
-            gpu``), or a streamed base given by count without ``stream_ring_bytes``.
+            optimizer with no rule, or a streamed base given by count without ``stream_ring_bytes``.
+        ConfigError: a set-up the Trainer refuses (:func:`ddptrain.update.choose.choose`: offload
+            without ``param_dtype: bf16``, or with ``ema.device: gpu``, ...).
     """
     if cfg is None:
 
@@ -705,10 +706,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if num_params is None:
         p.error("--params or --preset is required (or --table)")
-    if cfg.optim.offload == "cpu" and cfg.trainer.param_dtype != "bf16":
-        p.error("--offload needs --param-dtype bf16 (optim.offload=cpu needs trainer.param_dtype=bf16)")
     try:
-        choose(cfg, args.world_size, "cuda")  # what the Trainer would refuse, refused here with its words
+        choice = choose(cfg, args.world_size, "cuda")  # what the Trainer would refuse, refused here with its words
     except Refused as e:  # named by the flags that set the keys, then the Trainer's reason
         flags = {"ema.enabled": "--ema", "ema.device": f"--ema-device {cfg.ema.device}", "optim.offload": "--offload",
                  "optim.zero": "--zero", "optim.shard_grads": "--shard-grads",
@@ -729,7 +728,8 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"{f' ({trainable:.3g} trainable)' if trainable is not None else ''}, "
              f"{args.world_size} GPU(s), optim={o.name}{''.join(tiers)}, precision={cfg.trainer.precision}"
              f"{', param_dtype=bf16' if cfg.trainer.param_dtype == 'bf16' else ''}"
-             f"{', gradient_as_bucket_view=false' if not cfg.dist.gradient_as_bucket_view else ''} (per GPU)")
+             f"{', gradient_as_bucket_view=false' if not cfg.dist.gradient_as_bucket_view else ''}; "
+             f"the {choice.backend} backend (per GPU)")
     print(format_table(est, title, args.local_world_size or args.world_size, activations))
     return 0
 
