@@ -57,27 +57,37 @@ with ddptrain.Trainer(M(), loss, cfg, data) as t:
     w = {k: v.float().sum().item() for k, v in t.module.state_dict().items()}
 print("RESULT" + json.dumps({"losses": losses, "w": w}))
 '''
+
+
 def run(code, name, extra, out):
+    """One set-up's run in a fresh process importing ``code``'s ddptrain: its result, or its error."""
     env = dict(os.environ, PYTHONPATH=code)
     p = subprocess.run([sys.executable, "-c", WORKER, os.path.join(out, name), *extra], env=env, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT"):
             return json.loads(line[6:])
     return {"error": (p.stderr or p.stdout)[-3000:]}
-p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-p.add_argument("--ref", required=True, help="the reference checkout's root (its ddptrain/ is imported)")
-p.add_argument("--out", required=True, help="a folder for the runs and compare.json")
-p.add_argument("--only", default="", help="comma-separated set-ups (default: all)")
-args = p.parse_args()
-out = args.out
-report = {}
-for name, extra in SETUPS.items():
-    if args.only and name not in args.only.split(","):
-        continue
-    old = run(args.ref, name + "_old", extra, out)
-    new = run(ROOT, name + "_new", extra, out)
-    same = "error" not in old and old == new
-    report[name] = {"same": same, "old": old, "new": new}
-    print(name, "SAME" if same else "DIFFERENT", (old.get("error") or "")[-500:], (new.get("error") or "")[-1500:], flush=True)
-with open(os.path.join(out, "compare.json"), "w") as f:
-    json.dump(report, f)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ref", required=True, help="the reference checkout's root (its ddptrain/ is imported)")
+    p.add_argument("--out", required=True, help="a folder for the runs and compare.json")
+    p.add_argument("--only", default="", help="comma-separated set-ups (default: all)")
+    args = p.parse_args()
+    out = args.out
+    report = {}
+    for name, extra in SETUPS.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        old = run(args.ref, name + "_old", extra, out)
+        new = run(ROOT, name + "_new", extra, out)
+        same = "error" not in old and old == new
+        report[name] = {"same": same, "old": old, "new": new}
+        print(name, "SAME" if same else "DIFFERENT", (old.get("error") or "")[-500:], (new.get("error") or "")[-1500:], flush=True)
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
