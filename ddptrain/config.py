@@ -32,10 +32,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import field_spellings
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file and/or key at fault."""
+from ddptrain.errors import ConfigError
+from ddptrain.update.choose import Refused, choose
 
 
 @dataclass
@@ -710,8 +708,6 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
             where = sorted({origins[k] for k in keys if k in origins})
             raise ConfigError(f"{'; '.join(where) + ': ' if where else ''}{why(*values) if callable(why) else why}")
     if not isinstance(root, dict):  # the update-path rules: one function, shared with the run and the estimator
-        from ddptrain.update.choose import Refused, choose
-
         try:
             choose(root)
         except Refused as e:

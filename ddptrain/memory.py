@@ -107,6 +107,7 @@ from ddptrain.contract import to_device
 from ddptrain.ema import CHUNK_ELEMS as EMA_CHUNK_ELEMS
 from ddptrain.optim import param_groups
 from ddptrain.precision import KEEP_FP32
+from ddptrain.update.backend import backend_class
 from ddptrain.update.choose import Refused, choose
 from ddptrain.update.sharded import partition
 
@@ -247,7 +248,7 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     # the backend the run would take, and its refusals: the Trainer's own choice (ddptrain/update/choose.py)
     choice = choose(cfg, world_size, device)
-    rates = choice.backend_class.rates(choice)  # bytes per parameter of each part, and whose parameters
+    rates = backend_class(choice).rates(choice)  # bytes per parameter of each part, and whose parameters
     ddp = world_size > 1
     bf16 = rates["weights"][0] is not None  # bf16 weights (every backend but replicated)
     offload = choice.backend == "host"

@@ -9,7 +9,7 @@ import torch
 import ddptrain
 from ddptrain.config import ConfigError
 from ddptrain.memory import estimate_model_state
-from ddptrain.update.backend import BY_NAME, Backend
+from ddptrain.update.backend import BY_NAME, Backend, backend_class
 from ddptrain.update.choose import choose
 from test_trainer import FrameMLP, concat, frame_loss, make_cfg, micro_batches
 
@@ -33,8 +33,8 @@ def _cfg(*extra):
 ])
 def test_choose_names_one_backend_per_set_up(extra, world, backend):
     choice = choose(_cfg(*extra), world, torch.device("cpu"))
-    assert choice.backend == backend and issubclass(choice.backend_class, Backend)
-    assert choice.backend_class is BY_NAME[backend]
+    assert choice.backend == backend and issubclass(backend_class(choice), Backend)
+    assert backend_class(choice) is BY_NAME[backend]
 
 
 @pytest.mark.parametrize("extra, world, gpu, host", [
@@ -50,7 +50,8 @@ def test_choose_names_one_backend_per_set_up(extra, world, backend):
 def test_bytes_per_param_are_the_design_tables_and_the_estimators(extra, world, gpu, host):
     """docs/design.md's tiers, from the backend, and the estimator's figures from the same rates."""
     cfg = _cfg(*extra)
-    got = choose(cfg, world, "cuda").bytes_per_param()
+    choice = choose(cfg, world, "cuda")
+    got = backend_class(choice).bytes_per_param(choice)
     assert got == {"gpu": pytest.approx(gpu), "host": pytest.approx(host)}
     n = 4000 * world
     est = estimate_model_state(n, cfg, world, device="cuda")

@@ -40,7 +40,11 @@ from torch import nn
 from ddptrain import dist as ddist
 from ddptrain.optim import ZeroShardState, build_optimizer, is_zero, skips_on_device, step_unless
 from ddptrain.precision import MasterWeights, Precision
+from ddptrain.sharded_grads import ShardedGradReducer
+from ddptrain.update import host
 from ddptrain.update.choose import Choice
+from ddptrain.update.fused import FusedMasterAdamW
+from ddptrain.update.sharded import ShardedMasterState, ShardedMasterWeights
 
 
 @dataclass
@@ -284,8 +288,6 @@ class Masters(Backend):
     def start(self, module: nn.Module, cfg: Any, precision: Precision, keep_grads: bool = False) -> None:
         super().start(module, cfg, precision, keep_grads)
         if self.choice.fused:
-            from ddptrain.update.fused import FusedMasterAdamW
-
             self.fused = FusedMasterAdamW(self.optimizer, self.master)
             self.on_device = True  # it skips a non-finite step on the device
 
@@ -347,8 +349,6 @@ class Sharded(Masters):
         self.shards_grads = choice.shard_grads
 
     def _masters(self, model: nn.Module, cfg: Any, device: torch.device):
-        from ddptrain.update.sharded import ShardedMasterWeights
-
         return ShardedMasterWeights(model, torch.bfloat16)
 
     def _build_optimizer(self, module: nn.Module, cfg: Any):
@@ -358,13 +358,9 @@ class Sharded(Masters):
     def reducer(self, model: nn.Module, cfg: Any) -> Optional[nn.Module]:
         if not self.choice.shard_grads:
             return None
-        from ddptrain.sharded_grads import ShardedGradReducer
-
         return ShardedGradReducer(model, self.master.owners, cfg.dist.bucket_cap_mb, cfg.dist.broadcast_buffers)
 
     def states(self) -> tuple[dict, dict]:
-        from ddptrain.update.sharded import ShardedMasterState
-
         return {}, {"optimizer": ShardedMasterState(self.optimizer, self.master)}
 
     def ema_follows(self) -> EmaFollows:
@@ -389,8 +385,6 @@ class Host(Sharded):
     name = "host"
 
     def _masters(self, model: nn.Module, cfg: Any, device: torch.device):
-        from ddptrain.update import host
-
         # ema.enabled: its fp32 copy sits beside the masters on the host (its memory is checked with theirs)
         return host.prepare(model, cfg.optim.offload_chunk_mb, device, host_ema=bool(cfg.ema.enabled))
 
@@ -451,6 +445,11 @@ class Host(Sharded):
 BY_NAME = {b.name: b for b in (Replicated, Masters, Sharded, Host)}
 
 
+def backend_class(choice: Choice) -> type:
+    """The :class:`Backend` class ``choice`` names (its ``rates`` and ``bytes_per_param`` need no instance)."""
+    return BY_NAME[choice.backend]
+
+
 def make(choice: Choice, model: nn.Module, cfg: Any, device: torch.device) -> Backend:
     """The backend ``choice`` names, over ``model`` (on its device, before the streamed base and DDP)."""
-    return BY_NAME[choice.backend](choice, model, cfg, device)
+    return backend_class(choice)(choice, model, cfg, device)

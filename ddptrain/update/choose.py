@@ -24,10 +24,10 @@ The decision, in words:
 from __future__ import annotations
 
 from dataclasses import dataclass
+import importlib.util
 from typing import Any, Optional
 
-from ddptrain.config import ConfigError
-from ddptrain.update.fused import fused_kernel_serves
+from ddptrain.errors import ConfigError
 
 BACKENDS = ("replicated", "masters", "sharded", "host")
 
@@ -64,22 +64,22 @@ class Choice:
     state_bytes: int = 8
     grad_accum: int = 1
 
-    @property
-    def backend_class(self):
-        from ddptrain.update import backend
-
-        return backend.BY_NAME[self.backend]
-
-    def bytes_per_param(self) -> dict:
-        """Bytes of model state per trainable parameter, ``{"gpu": ..., "host": ...}`` (bf16 weights
-        under masters, fp32 otherwise; a rank's share where sharded). See the backends' ``RATES``."""
-        return self.backend_class.bytes_per_param(self)
-
 
 def _get(cfg: Any, key: str, default: Any) -> Any:
     """``cfg``'s value of ``section.key`` (a schema of an older ddptrain may lack it: ``default``)."""
     section, leaf = key.split(".")
     return getattr(getattr(cfg, section, None), leaf, default)
+
+
+def fused_kernel_serves(mode: Any, adamw: bool, fused_adamw: bool, unsharded_masters: bool, cuda: bool) -> bool:
+    """Whether ``optim.fused_update`` (``mode``) takes the step (ddptrain/update/fused.py): ``true``
+    always (where it cannot, :func:`choose` refuses the config), ``auto`` where it applies (the fp32
+    masters of the masters backend, updated by AdamW with its fused kernels, on a GPU with Triton),
+    ``false`` never. :func:`choose` decides with it, and so does ``fused.for_run``."""
+    mode = str(mode).lower()  # a CLI override `optim.fused_update=true` arrives as "True"
+    if mode != "auto":
+        return mode == "true"
+    return cuda and adamw and fused_adamw and unsharded_masters and importlib.util.find_spec("triton") is not None
 
 
 def _state_bytes(name: str, momentum: float) -> int:

@@ -22,13 +22,14 @@ gradient, inside the same call; so does everything on the CPU (the tests also ru
 there, in Triton's interpreter).
 
 ``auto`` (the default) turns it on wherever it applies: a GPU with Triton, the fp32 masters of a
-bf16 model updated on the device by a plain AdamW with its fused kernels (:func:`fused_kernel_serves`).
+bf16 model updated on the device by a plain AdamW with its fused kernels
+(``ddptrain.update.choose.fused_kernel_serves``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib.util  # noqa: F401  (choose.fused_kernel_serves reads Triton through it; the tests patch it here)
 import os
 from typing import Optional
 
@@ -37,6 +38,7 @@ import torch
 from ddptrain.config import ConfigError
 from ddptrain.optim import skips_on_device
 from ddptrain.precision import MasterWeights
+from ddptrain.update.choose import fused_kernel_serves
 
 _BLOCK = 4096  # elements per Triton program: a few MB per thousand programs, grids of ~10^5 at 1B params
 
@@ -109,17 +111,6 @@ def refusal_for(optimizer: torch.optim.Optimizer, master) -> Optional[str]:
     if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in optimizer.param_groups):
         return "optim.fused_update=true does not run AdamW's amsgrad, maximize or differentiable modes"
     return None
-
-
-def fused_kernel_serves(mode, adamw: bool, fused_adamw: bool, unsharded_masters: bool, cuda: bool) -> bool:
-    """Whether ``optim.fused_update`` (``mode``) takes the step: ``true`` always (where it cannot,
-    :func:`ddptrain.update.choose.choose` refuses the config), ``auto`` where it applies (the fp32
-    masters of the masters backend, updated by AdamW with its fused kernels, on a GPU with Triton),
-    ``false`` never. The one rule: ``choose`` decides with it, and so does :func:`for_run`."""
-    mode = str(mode).lower()  # a CLI override `optim.fused_update=true` arrives as "True"
-    if mode != "auto":
-        return mode == "true"
-    return cuda and adamw and fused_adamw and unsharded_masters and importlib.util.find_spec("triton") is not None
 
 
 def for_run(mode, optimizer: torch.optim.Optimizer, master, device: torch.device) -> Optional["FusedMasterAdamW"]:
