@@ -23,13 +23,11 @@ The decision, in words:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import importlib.util
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ddptrain.errors import ConfigError
-
-BACKENDS = ("replicated", "masters", "sharded", "host")
 
 
 class Refused(ConfigError):
@@ -135,7 +133,8 @@ def choose(cfg: Any, world_size: Optional[int] = None, device: Any = None) -> Ch
     if shard and str(_get(cfg, "dist.comm_hook", "none")).lower() != "none":
         refuse(("optim.shard_grads", "dist.comm_hook"),
                "optim.shard_grads=true sends the gradients in their own dtype (bf16 for a bf16 model): set "
-               "dist.comm_hook=none")
+               "dist.comm_hook=none, or optim.shard_grads=false (the sharded backend then reduces through DDP, "
+               "which takes the hook)")
     if offload and not bf16:
         refuse(("optim.offload", "trainer.param_dtype"),
                "optim.offload=cpu needs trainer.param_dtype=bf16 (a bf16 model on the GPU, fp32 masters on the "
@@ -158,7 +157,7 @@ def choose(cfg: Any, world_size: Optional[int] = None, device: Any = None) -> Ch
     if offload and many and not zero:
         refuse(("optim.offload", "optim.zero"),
                "optim.offload=cpu on several processes shards the masters as optim.zero does: set optim.zero=true "
-               "(a resume may then turn the offload off)")
+               "(the host backend then holds each rank's partition; a resume may turn the offload off)")
     state = _state_bytes(name, float(_get(cfg, "optim.momentum", 0.0)))
     accum = int(_get(cfg, "trainer.grad_accum_steps", 1))
     if offload:
