@@ -1,9 +1,9 @@
 """The optimizer update of a bf16 model with fp32 masters, alone: unfused vs ``optim.fused_update``.
 
-Unfused is what ddptrain/update.py runs on a GPU: the bf16 gradients copied into fp32 master
+Unfused is what ddptrain/update/backend.py runs on a GPU: the bf16 gradients copied into fp32 master
 gradients (``MasterWeights.load_grads``), torch's fused AdamW with the factor and the non-finite
 flag on the device, the masters rounded into the bf16 weights (``copy_to_model``). Fused is
-:class:`ddptrain.fused_update.FusedMasterAdamW`. The model is a stack of Whisper-large-sized
+:class:`ddptrain.update.fused.FusedMasterAdamW`. The model is a stack of Whisper-large-sized
 layers (width 1280, 4 attention projections with biases, a 5120 MLP, two LayerNorms): 78 layers
 are 1.54B parameters, Whisper-large-v3's count. CUDA events over ``--iters`` updates after 3.
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ddptrain.fused_update import FusedMasterAdamW  # noqa: E402
+from ddptrain.update.fused import FusedMasterAdamW  # noqa: E402
 from ddptrain.optim import param_groups, step_unless  # noqa: E402
 from ddptrain.precision import MasterWeights  # noqa: E402
 

@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import ddptrain  # noqa: E402
-from ddptrain.offload import OffloadedMasters  # noqa: E402
+from ddptrain.update.host import OffloadedMasters  # noqa: E402
 
 
 class Tiny(nn.Module):

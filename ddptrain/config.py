@@ -33,10 +33,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from ddptrain.data.config import DataConfig
 from ddptrain.data.errors import DataError
 from ddptrain.data.manifest import field_spellings
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the file and/or key at fault."""
+from ddptrain.errors import ConfigError
+from ddptrain.update.choose import Refused, choose
 
 
 @dataclass
@@ -89,9 +87,9 @@ class OptimConfig:
     zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
     zero_bucket_view: bool = True  # ZeRO: flat parameter buckets, one broadcast per rank after the step instead of one per parameter
     shard_grads: bool = False  # ZeRO-2: each rank keeps only its own partition's reduced gradients (2/N B/param instead of 2), replacing DDP; needs optim.zero and trainer.param_dtype=bf16; one rank: no change (ddptrain/sharded_grads.py)
-    offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/offload.py)
+    offload: str = "none"  # cpu: fp32 masters + optimizer state in pinned host memory, updated there (each rank its partition); needs trainer.param_dtype=bf16 (ddptrain/update/host.py)
     offload_chunk_mb: float = 256.0  # optim.offload: gradients go down, are updated and go back up in chunks of this many MB (of bf16 gradients), so the copies overlap the host update
-    fused_update: str = "auto"  # AdamW on the fp32 masters of trainer.param_dtype=bf16 in one kernel per param group that reads the bf16 gradients and writes the bf16 weights (~30 B of traffic a parameter instead of ~40, no fp32 gradient buffer); same optimizer state. auto: on a GPU with Triton wherever it applies (optim.name=adamw, optim.fused not false, optim.zero=false, optim.offload=none); true: required, refused elsewhere (ddptrain/fused_update.py)
+    fused_update: str = "auto"  # AdamW on the fp32 masters of trainer.param_dtype=bf16 in one kernel per param group that reads the bf16 gradients and writes the bf16 weights (~30 B of traffic a parameter instead of ~40, no fp32 gradient buffer); same optimizer state. auto: on a GPU with Triton wherever it applies (optim.name=adamw, optim.fused not false, optim.zero=false, optim.offload=none); true: required, refused elsewhere (ddptrain/update/fused.py)
 
 
 @dataclass
@@ -526,25 +524,6 @@ RULES: dict[str, Rule] = {
 _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
     (("trainer.max_epochs", "trainer.max_steps"), lambda epochs, steps: epochs >= 1 or steps > 0,
      "trainer.max_epochs must be >= 1 when trainer.max_steps=0 (nothing would train)"),
-    (("trainer.param_dtype", "trainer.precision"), lambda dtype, precision: dtype != "bf16" or precision == "bf16",
-     "trainer.param_dtype=bf16 needs trainer.precision=bf16 (fp16 parameters would need loss "
-     "scaling of bf16 master gradients: not supported)"),
-    (("optim.shard_grads", "optim.zero", "trainer.param_dtype"),
-     lambda shard, zero, dtype: not shard or (zero and dtype == "bf16"),
-     "optim.shard_grads=true needs optim.zero=true and trainer.param_dtype=bf16 (each rank keeps the gradients "
-     "of the tensors whose sharded fp32 masters it owns)"),
-    (("optim.shard_grads", "dist.find_unused_parameters"), lambda shard, unused: not (shard and unused),
-     "optim.shard_grads=true reduces every trainable parameter in every backward: dist.find_unused_parameters=true "
-     "is not supported with it (freeze the unused parameters, or set optim.shard_grads=false)"),
-    (("optim.shard_grads", "dist.comm_hook"), lambda shard, hook: not shard or hook == "none",
-     "optim.shard_grads=true sends the gradients in their own dtype (bf16 for a bf16 model): set dist.comm_hook=none"),
-    (("optim.offload", "trainer.param_dtype"), lambda offload, dtype: offload == "none" or dtype == "bf16",
-     "optim.offload=cpu needs trainer.param_dtype=bf16 (a bf16 model on the GPU, fp32 masters on the host)"),
-    (("optim.fused_update", "trainer.param_dtype", "optim.name", "optim.zero", "optim.offload"),
-     lambda fused, dtype, name, zero, offload: fused != "true" or (dtype == "bf16" and name == "adamw" and not zero
-                                                          and offload == "none"),
-     "optim.fused_update=true updates the fp32 masters of trainer.param_dtype=bf16 with AdamW on the training "
-     "device: it needs trainer.param_dtype=bf16, optim.name=adamw, optim.zero=false and optim.offload=none"),
     (("optim.name", "optim.nesterov", "optim.momentum"),
      lambda name, nesterov, momentum: not (name == "sgd" and nesterov and momentum == 0),
      "optim.nesterov=true needs optim.momentum > 0"),
@@ -560,9 +539,6 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
      lambda base, acts, recompute: base == "none" or acts == "none" or recompute,
      "lora.base_offload=cpu with recompute.offload=cpu needs recompute.enabled=true: without recompute, activation "
      "offload's saved-tensor hooks would keep the streamed weights' ring memory as it is (overwritten by then)"),
-    (("ema.enabled", "ema.device", "optim.offload"), lambda on, where, offload: not on or where != "gpu" or offload == "none",
-     "ema.device=gpu with optim.offload=cpu would hold 4 B per trainable parameter on the GPU that the offload moved "
-     "off it, and copy the host masters up at every update: set ema.device=auto (the host, beside the masters)"),
     (("checkpoint.trainable_only", "checkpoint.base_model"), lambda only, base: not only or bool(str(base).strip()),
      "checkpoint.trainable_only=true needs checkpoint.base_model (the weights the frozen parameters come from: "
      "load_weights reads them before the checkpoint's own)"),
@@ -580,10 +556,10 @@ _TOGETHER: list[tuple[tuple[str, ...], Callable[..., bool], Any]] = [
     (("compile.cuda_graphs", "recompute.enabled"), lambda graphs, recompute: not (graphs and recompute),
      "compile.cuda_graphs=true with recompute.enabled=true is not supported: recomputation re-draws dropout from "
      "an RNG state saved on the host, which a captured graph cannot replay; set one of them false"),
-    (("compile.cuda_graphs", "recompute.offload", "optim.offload", "lora.base_offload"),
-     lambda graphs, acts, optim, base: not graphs or acts == optim == base == "none",
-     "compile.cuda_graphs=true needs recompute.offload, optim.offload and lora.base_offload all none: their "
-     "host-side copies and hooks during the backward cannot be captured in a CUDA graph"),
+    (("compile.cuda_graphs", "recompute.offload", "lora.base_offload"),
+     lambda graphs, acts, base: not graphs or acts == base == "none",
+     "compile.cuda_graphs=true needs recompute.offload and lora.base_offload both none: their host-side copies "
+     "and hooks during the backward cannot be captured in a CUDA graph"),
     (("data.train_manifest", "data.train_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
      "data.train_manifest and data.train_sources both name the training data: set one of them"),
     (("data.eval_manifest", "data.eval_sources"), lambda manifest, sources: not (str(manifest).strip() and sources),
@@ -767,6 +743,12 @@ def _check(root: Any, origins: dict[str, str]) -> Any:
         if not ok(*values):
             where = sorted({origins[k] for k in keys if k in origins})
             raise ConfigError(f"{'; '.join(where) + ': ' if where else ''}{why(*values) if callable(why) else why}")
+    if not isinstance(root, dict):  # the update-path rules: one function, shared with the run and the estimator
+        try:
+            choose(root)
+        except Refused as e:
+            where = sorted({origins[k] for k in e.keys if k in origins})
+            raise ConfigError(f"{'; '.join(where) + ': ' if where else ''}{e}") from None
     return root
 
 

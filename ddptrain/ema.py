@@ -28,7 +28,7 @@ Where it lives and who holds what:
   the fp32 weights down through two pinned buffers of :data:`CHUNK_ELEMS`, averaging one chunk on
   the host while the next one copies; the GPU's queue drains meanwhile, once every
   ``every_steps`` updates. In host memory, every rank first checks that its node holds all its
-  ranks' shares (beside offloaded masters, their check counts the EMA: ddptrain/offload.py).
+  ranks' shares (beside offloaded masters, their check counts the EMA: ddptrain/update/host.py).
 
 The update on the device is one ``torch._foreach_lerp_`` over the rank's tensors with a host
 number as the weight: no host synchronisation (the Trainer already knows on the host whether the
@@ -67,8 +67,8 @@ from torch import nn
 from ddptrain import dist
 from ddptrain.checkpoint import saved_states
 from ddptrain.config import EmaConfig
-from ddptrain.optim import is_zero
 from ddptrain.process import agree_on_host_memory
+from ddptrain.update.backend import EmaFollows
 
 CHUNK_ELEMS = 8 * 2**20  # ema.device=cpu with the weights on a GPU: fp32 elements per staged copy (32 MiB, two buffers)
 
@@ -82,19 +82,18 @@ class ExponentialMovingAverage:
         cfg: the ``ema`` config section (read at every update: a resume may change it).
         module: the model (unwrapped, prepared: LoRA'd, bf16 under masters): its trainable
             parameters are averaged, named by their state-dict keys (tied tensors: every key).
-        master: its MasterWeights, ShardedMasterWeights or OffloadedMasters, or None: the EMA
-            follows the fp32 masters where they exist, the parameters otherwise.
-        optimizer: the training optimizer: a ZeroRedundancyOptimizer shards the EMA as it
-            shards its state.
+        follows: what the optimizer backend updates (``Backend.ema_follows()``,
+            :class:`ddptrain.update.backend.EmaFollows`): the fp32 masters where it has them, which
+            of them this rank updates, and where they live; None: the parameters, all of them.
         device: the training device.
 
     Raises:
         ValueError: a trainable parameter without a state-dict key (nothing could save it).
     """
 
-    def __init__(self, cfg: EmaConfig, module: nn.Module, master: Any = None, optimizer: Any = None,
+    def __init__(self, cfg: EmaConfig, module: nn.Module, follows: Optional[EmaFollows] = None,
                  device: torch.device = torch.device("cpu")):
-        self.cfg, self.master = cfg, master
+        self.cfg = cfg
         keys: dict[int, list[str]] = {}
         for k, v in module.state_dict(keep_vars=True).items():
             keys.setdefault(id(v), []).append(k)
@@ -105,26 +104,22 @@ class ExponentialMovingAverage:
             raise ValueError(f"trainable parameters {nameless[:10]} (in module.parameters() order) have no "
                              "state-dict key: the EMA could not save them")
         self.names = [keys[id(p)] for p in self.params]
-        to_master = getattr(master, "to_master", {}) if master is not None else {}
-        self.sources = [to_master.get(p, p) for p in self.params]  # the fp32 tensors the optimizer updates
-        zero = optimizer is not None and is_zero(optimizer)
-        self.sharded = zero or bool(getattr(master, "sharded", False))
-        if zero:
-            local = {id(t) for g in optimizer.optim.param_groups for t in g["params"]}
-            own = [id(s) in local for s in self.sources]
-        else:
-            own = [not self.sharded or p in to_master for p in self.params]
-        self.mine = [i for i, o in enumerate(own) if o]
+        follows = follows or EmaFollows()
+        self.sources = [follows.sources.get(p, p) for p in self.params]  # the fp32 tensors the optimizer updates
+        self.sharded = follows.sharded
+        self.restore = follows.restore  # the trained weights back from the masters
+        self.mine = [i for i, p in enumerate(self.params) if follows.mine is None or id(p) in follows.mine]
         self.owners = [dist.get_rank()] * len(self.params)
         if self.sharded:  # who broadcasts each tensor into the model to evaluate
             for rank, theirs in enumerate(dist.all_gather_object(self.mine)):
                 for i in theirs:
                     self.owners[i] = rank
-        host = getattr(master, "offloaded", False) if cfg.device == "auto" else cfg.device == "cpu"
+        beside = follows.on_host  # masters in host memory: their check counted the EMA's memory
+        host = beside if cfg.device == "auto" else cfg.device == "cpu"
         self.device = torch.device("cpu") if host else device
         # weights on a GPU averaged in host memory: copied down chunk by chunk (_update_staged)
         self.staged = self.device.type == "cpu" and any(self.sources[i].device.type != "cpu" for i in self.mine)
-        if host and not getattr(master, "offloaded", False):  # beside offloaded masters: counted by their check
+        if host and not beside:
             agree_on_host_memory(host_parts(sum(self.sources[i].numel() for i in self.mine), self.staged),
                                  device, "ema.device=cpu", "keep the EMA on the GPU (ema.device=auto)")
         self.ema = [self._copy(self.sources[i]) for i in self.mine]
@@ -214,7 +209,7 @@ class ExponentialMovingAverage:
         # fp32 model; under ZeRO every rank's, since the broadcast below overwrites them all) and
         # this rank's fp32-kept ones (BatchNorm) whose master is the parameter itself
         self._stash = [(p, p.detach().to("cpu", copy=True)) for i, p in enumerate(self.params)
-                       if self.master is None or (self.sources[i] is p and i in own)]
+                       if self.restore is None or (self.sources[i] is p and i in own)]
         for e, i in zip(self.ema, self.mine):
             self.params[i].copy_(e)
         if self.sharded:
@@ -230,8 +225,8 @@ class ExponentialMovingAverage:
         for p, saved in self._stash:
             p.copy_(saved)
         self._stash = None
-        if self.master is not None:
-            self.master.copy_to_model()  # the parameters are the masters rounded, as after every step
+        if self.restore is not None:
+            self.restore()  # the parameters are the masters rounded, as after every step
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
@@ -314,10 +309,9 @@ def host_parts(elements: int, staged: bool) -> dict[str, int]:
     return parts
 
 
-def build(cfg: EmaConfig, module: nn.Module, master: Any, optimizer: Any,
-          device: torch.device) -> Optional[ExponentialMovingAverage]:
-    """The Trainer's EMA, or None when ``ema.enabled`` is off."""
-    return ExponentialMovingAverage(cfg, module, master, optimizer, device) if cfg.enabled else None
+def build(cfg: EmaConfig, module: nn.Module, follows: Any, device: torch.device) -> Optional[ExponentialMovingAverage]:
+    """The Trainer's EMA of what the optimizer backend updates (``follows``), or None when ``ema.enabled`` is off."""
+    return ExponentialMovingAverage(cfg, module, follows, device) if cfg.enabled else None
 
 
 def saved_ema(checkpoint: str) -> dict:

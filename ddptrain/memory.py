@@ -40,10 +40,10 @@ bf16 weights + fp32 masters                 16 (+4 transient) 0
 
 The first row's 4 transient bytes are the fp32 gradients the step makes for the masters; the fused
 update (``optim.fused_update``, on by default on a GPU where it applies) reads the bf16 gradients
-itself and makes none. Sharded masters (ddptrain/sharded_masters.py): the fp32 masters are split
+itself and makes none. Sharded masters (ddptrain/update/sharded.py): the fp32 masters are split
 with the Adam state, and the step makes a transient fp32 gradient for the rank's own masters
 (``master_grads``: 4 or 4/N B). Sharded gradients: each rank keeps the bf16 gradients of its own
-partition only. Optimizer offload (ddptrain/offload.py): the masters (4 B), AdamW moments (8 B) and a bf16
+partition only. Optimizer offload (ddptrain/update/host.py): the masters (4 B), AdamW moments (8 B) and a bf16
 staging copy of the gradients and weights (2 B) of each rank's partition live in pinned host
 memory, with one chunk (``optim.offload_chunk_mb``, MB of bf16 gradients) of fp32 gradient
 scratch; the GPU keeps the bf16 weights and gradients only (no GPU-side staging: the copies go
@@ -70,7 +70,7 @@ masters briefly copies the trained weights to the host (not counted here).
 Given a model (not only a parameter count) the estimate uses the real dtypes, counts frozen
 parameters as parameters only, reproduces the partition (ZeroRedundancyOptimizer's greedy one
 per parameter group, or the sharded masters' over all trainable tensors) so the optimizer
-figure is that of the most loaded rank, cuts offload's chunks as ddptrain/offload.py does, and
+figure is that of the most loaded rank, cuts offload's chunks as ddptrain/update/host.py does, and
 picks a streamed base's blocks as ddptrain/streamed_base.py does (``lora.stream_blocks``, else
 the children of the largest ``nn.ModuleList``: a decoder's layers).
 
@@ -107,7 +107,9 @@ from ddptrain.contract import to_device
 from ddptrain.ema import CHUNK_ELEMS as EMA_CHUNK_ELEMS
 from ddptrain.optim import param_groups
 from ddptrain.precision import KEEP_FP32
-from ddptrain.sharded_masters import partition
+from ddptrain.update.backend import backend_class
+from ddptrain.update.choose import Refused, choose
+from ddptrain.update.sharded import partition
 
 _ADAM = ("adam", "adamw")
 GiB = 2**30
@@ -129,19 +131,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 CARDS_GIB = (16, 24, 48, 80)
 
 
-def _state_bytes_per_param(cfg) -> int:
-    """Optimizer state bytes per fp32 trainable parameter (before ZeRO sharding)."""
-    name = cfg.optim.name.lower()
-    if name in _ADAM:
-        return 8  # exp_avg + exp_avg_sq, fp32 (the step counter is one scalar per tensor)
-    if name == "sgd":
-        return 4 if cfg.optim.momentum else 0
-    raise ValueError(f"optim.name={cfg.optim.name!r}: no memory rule for this optimizer")
-
-
 def _switches(cfg) -> dict:
-    """The memory tiers a config switches on. Read with defaults, so a config (or a schema of an
-    older ddptrain) without the key counts as the switch off."""
+    """The keys beside the optimizer backend (ddptrain/update/choose.py decides that) the estimate
+    reads. Read with defaults, so a config (or a schema of an older ddptrain) without the key counts
+    as the switch off."""
     return {"shard_grads": bool(getattr(cfg.optim, "shard_grads", False)),
             "offload": str(getattr(cfg.optim, "offload", "none")).lower() == "cpu",
             "chunk_mb": float(getattr(cfg.optim, "offload_chunk_mb", 256.0)),
@@ -149,14 +142,6 @@ def _switches(cfg) -> dict:
             "ring": int(getattr(cfg.lora, "stream_ahead", 1)) + 1,
             "ema": bool(getattr(getattr(cfg, "ema", None), "enabled", False)),
             "ema_device": str(getattr(getattr(cfg, "ema", None), "device", "auto")).lower()}
-
-
-def _fused_update_runs(cfg, device: str) -> bool:
-    """Whether ``optim.fused_update`` takes the step of unsharded masters on ``device``, as
-    ddptrain/fused_update.py's ``for_run`` decides (``true`` is refused where it cannot run)."""
-    mode = str(getattr(cfg.optim, "fused_update", "false")).lower()
-    return mode == "true" or (mode == "auto" and str(device).startswith("cuda")
-                              and cfg.optim.name.lower() == "adamw" and str(cfg.optim.fused).lower() != "false")
 
 
 def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int:
@@ -172,7 +157,7 @@ def _zero_partition_max(sizes_by_group: list[list[int]], world_size: int) -> int
 
 def _offload_host(sizes: list[int], fp32: list[bool], owners: list[int], world_size: int,
                   chunk_elems: int, per_state: int) -> dict:
-    """Host bytes of the most loaded rank under ddptrain/offload.py's layout: per owned element a
+    """Host bytes of the most loaded rank under ddptrain/update/host.py's layout: per owned element a
     4 B master, the optimizer state and a staging copy in the model dtype (2 B; 4 for tensors kept
     fp32), plus fp32 scratch for the largest chunk (whole tensors, cut once a run reaches
     ``chunk_elems``)."""
@@ -252,27 +237,25 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
 
     Raises:
         ValueError: world_size < 1, a negative parameter count (or more trainable than all), an
-            optimizer with no rule, offload without ``param_dtype: bf16`` (or with ``ema.device:
-            gpu``), or a streamed base given by count without ``stream_ring_bytes``.
+            optimizer with no rule, or a streamed base given by count without ``stream_ring_bytes``.
+        ConfigError: a set-up the Trainer refuses (:func:`ddptrain.update.choose.choose`: offload
+            without ``param_dtype: bf16``, or with ``ema.device: gpu``, ...).
     """
     if cfg is None:
 
         cfg = Config()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    zero = bool(cfg.optim.zero) and world_size > 1  # the Trainer ignores optim.zero on one rank
+    # the backend the run would take, and its refusals: the Trainer's own choice (ddptrain/update/choose.py)
+    choice = choose(cfg, world_size, device)
+    rates = backend_class(choice).rates(choice)  # bytes per parameter of each part, and whose parameters
     ddp = world_size > 1
-    per_state = _state_bytes_per_param(cfg)
-    bf16 = str(cfg.trainer.param_dtype).lower() == "bf16"
+    bf16 = rates["weights"][0] is not None  # bf16 weights (every backend but replicated)
+    offload = choice.backend == "host"
+    partitioned = any(scope == "owned" for _, scope in rates.values())  # some part is held for a partition only
     sw = _switches(cfg)
-    offload, streamed = sw["offload"], sw["streamed"]
-    shard_grads = sw["shard_grads"] and ddp
-    if offload and not bf16:
-        raise ValueError("optim.offload=cpu needs trainer.param_dtype=bf16 (as the Trainer does)")
-    if offload and sw["ema"] and sw["ema_device"] == "gpu":
-        raise ValueError("ema.device=gpu with optim.offload=cpu is refused by the config: ema.device=auto keeps "
-                         "the EMA in host memory, beside the masters")
-    chunk_elems = max(1, int(sw["chunk_mb"] * 2**20 / 2))  # as ddptrain/offload.py: MB of bf16 gradients
+    streamed = sw["streamed"]
+    chunk_elems = max(1, int(sw["chunk_mb"] * 2**20 / 2))  # as ddptrain/update/host.py: MB of bf16 gradients
     host = {"masters": 0, "optimizer": 0, "grads": 0, "scratch": 0}
     ring = host_base = 0
 
@@ -287,26 +270,23 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         def weight_bytes(ps) -> int:  # bf16 model: every weight 2 B (the estimate ignores KEEP_FP32)
             return sum(p.numel() * (2 if bf16 else p.element_size()) for p in ps)
 
-        param_bytes, grad_bytes = weight_bytes(params), weight_bytes(trainable)
+        param_bytes, weight_grads = weight_bytes(params), weight_bytes(trainable)
         sizes = [p.numel() for p in trainable]
         owners = [0] * len(trainable)
-        if ddp and (offload or (bf16 and (zero or shard_grads))):  # whole tensors over all trainable ones
-
+        if ddp and choice.backend in ("sharded", "host"):  # whole tensors over all trainable ones
             owners = partition(sizes, world_size)
             shard = max(sum(n for n, o in zip(sizes, owners) if o == r) for r in range(world_size))
-        elif zero or shard_grads:
+        elif choice.zero:  # ZeroRedundancyOptimizer: each parameter group partitioned on its own
             groups = param_groups(model, cfg.optim.weight_decay)
             shard = _zero_partition_max([[p.numel() for p in g["params"]] for g in groups], world_size)
         else:
             shard = num_trainable
-        # optimizer state has the parameters' dtype (fp32 master weights)
-        state_elt = trainable[0].element_size() if trainable else 4
-        opt_bytes = shard * (per_state // 4) * state_elt
-        if shard_grads:
-            grad_bytes = shard * (2 if bf16 else state_elt)
+        # a replicated optimizer's state has the parameters' dtype
+        state_scale = (trainable[0].element_size() if trainable else 4) / 4 if not bf16 else 1
         if offload:
             keep = {id(t) for m in model.modules() if isinstance(m, KEEP_FP32) for t in m.parameters(recurse=False)}
-            host = _offload_host(sizes, [id(p) in keep for p in trainable], owners, world_size, chunk_elems, per_state)
+            host = _offload_host(sizes, [id(p) in keep for p in trainable], owners, world_size, chunk_elems,
+                                 choice.state_bytes)
         if streamed:
             blocks = [[p for p in {id(p): p for p in b.parameters()}.values() if not p.requires_grad]
                       for b in stream_blocks(model, list(getattr(cfg.lora, "stream_blocks", None) or ()))]
@@ -323,11 +303,11 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
         if not 0 <= num_trainable <= num_params:
             raise ValueError(f"trainable={trainable} must be in [0, {num_params}]")
         w = 2 if bf16 else 4  # bytes of a weight and of its gradient
-        shard = -(-num_trainable // world_size) if (zero or shard_grads or (offload and ddp)) else num_trainable
-        param_bytes, grad_bytes = w * num_params, w * (shard if shard_grads else num_trainable)
-        opt_bytes = per_state * shard
+        shard = -(-num_trainable // world_size) if partitioned else num_trainable
+        param_bytes, weight_grads, state_scale = w * num_params, w * num_trainable, 1
         if offload:
-            host = {"masters": 4 * shard, "optimizer": per_state * shard, "grads": 2 * shard,
+            host = {"masters": rates["host_masters"][0] * shard, "optimizer": rates["host_optimizer"][0] * shard,
+                    "grads": rates["host_grads"][0] * shard,
                     "scratch": 4 * min(shard, chunk_elems)}  # about one chunk: the real ones end at tensor edges
         if streamed:
             if stream_ring_bytes is None:
@@ -341,20 +321,17 @@ def estimate_model_state(model_or_num_params: Union[nn.Module, int, float], cfg=
             host_base = w * (num_params - num_trainable - resident)
             param_bytes -= host_base
 
-    masters = master_grads = 0
-    if bf16:
-        # bf16 model + fp32 masters: the weights (frozen ones too) and gradients shrink to 2 B,
-        # the Adam state stays fp32, and the step makes fp32 gradients for the rank's own
-        # masters, unless the fused update reads the bf16 gradients itself. Under ZeRO the
-        # masters are sharded with the Adam state (sharded_masters.py).
-        fused = not zero and not offload and _fused_update_runs(cfg, device)
-        masters, master_grads = 4 * shard, 0 if fused else 4 * shard
-        opt_bytes = shard * per_state
-    if offload:  # masters, optimizer state and the fp32 gradients of the step all on the host
-        masters = master_grads = opt_bytes = 0
-        if not ddp and int(cfg.trainer.grad_accum_steps) == 1:
-            grad_bytes = 0  # one rank: each gradient leaves for the host as the backward makes it
-    buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view and not shard_grads else 0
+    def part(name: str) -> float:
+        """The bytes of one part of the state on the most loaded rank, at the backend's rate."""
+        b, scope = rates[name]
+        return b * (shard if scope == "owned" else num_trainable)
+
+    # gradients: the weights' own dtype (None), or the backend's rate (sharded: the rank's own; host on one
+    # rank without accumulation: none, each leaves for the host as the backward makes it)
+    grad_bytes = weight_grads if rates["grads"][0] is None else part("grads")
+    masters, master_grads = part("masters"), part("master_grads")  # fp32 masters, the step's fp32 gradients
+    opt_bytes = part("optimizer") * state_scale
+    buckets = grad_bytes if ddp and not cfg.dist.gradient_as_bucket_view and not choice.shard_grads else 0
     ema = host_ema = 0
     if sw["ema"]:  # fp32, partitioned as the optimizer state: `shard` is the most loaded rank's share
         if sw["ema_device"] == "cpu" or (sw["ema_device"] == "auto" and offload):
@@ -655,7 +632,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--shard-grads", action="store_true", help="optim.shard_grads=true (each rank reduces into "
                                                               "its own gradient shard)")
     p.add_argument("--offload", action="store_true", help="optim.offload=cpu (masters + optimizer state in "
-                                                          "pinned host memory; needs --param-dtype bf16)")
+                                                          "pinned host memory; needs --param-dtype bf16; on "
+                                                          "several GPUs with optim.zero=true, as the Trainer asks)")
     p.add_argument("--offload-chunk-mb", type=float, default=None, help="optim.offload_chunk_mb (default 256)")
     p.add_argument("--base-offload", action="store_true", help="lora.base_offload=cpu (the frozen base streamed "
                                                                "from pinned host memory)")
@@ -705,6 +683,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     sw = _switches(cfg)  # plain attribute sets below: the estimate reads these keys with defaults
     cfg.optim.shard_grads = sw["shard_grads"] or args.shard_grads
     cfg.optim.offload = "cpu" if sw["offload"] or args.offload else "none"
+    # --offload on several GPUs: the host backend's partition, which the Trainer runs with optim.zero only
+    cfg.optim.zero = cfg.optim.zero or (args.offload and args.world_size > 1)
     cfg.optim.offload_chunk_mb = args.offload_chunk_mb or sw["chunk_mb"]
     cfg.lora.base_offload = "cpu" if sw["streamed"] or args.base_offload else "none"
     cfg.lora.stream_ahead = sw["ring"] - 1 if args.stream_ahead is None else args.stream_ahead
@@ -727,11 +707,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if num_params is None:
         p.error("--params or --preset is required (or --table)")
-    if cfg.optim.offload == "cpu" and cfg.trainer.param_dtype != "bf16":
-        p.error("--offload needs --param-dtype bf16 (optim.offload=cpu needs trainer.param_dtype=bf16)")
-    if cfg.optim.offload == "cpu" and cfg.ema.enabled and cfg.ema.device == "gpu":
-        p.error("--ema-device gpu with --offload: the config refuses it (auto keeps the EMA on the host, beside the "
-                "masters)")
+    try:
+        choice = choose(cfg, args.world_size, "cuda")  # what the Trainer would refuse, refused here with its words
+    except Refused as e:  # named by the flags that set the keys, then the Trainer's reason
+        flags = {"ema.enabled": "--ema", "ema.device": f"--ema-device {cfg.ema.device}", "optim.offload": "--offload",
+                 "optim.zero": "--zero", "optim.shard_grads": "--shard-grads",
+                 "trainer.param_dtype": f"--param-dtype {cfg.trainer.param_dtype}",
+                 "trainer.precision": f"--precision {cfg.trainer.precision}"}
+        p.error(f"{' with '.join(flags.get(k, k) for k in e.keys)}: {e}")
     if cfg.lora.base_offload == "cpu" and ring is None:
         p.error("--base-offload with --params needs --stream-ring-gb (the GPU ring of streamed blocks)")
     est = estimate_model_state(num_params, cfg, args.world_size, trainable, stream_ring_bytes=ring,
@@ -746,7 +729,8 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"{f' ({trainable:.3g} trainable)' if trainable is not None else ''}, "
              f"{args.world_size} GPU(s), optim={o.name}{''.join(tiers)}, precision={cfg.trainer.precision}"
              f"{', param_dtype=bf16' if cfg.trainer.param_dtype == 'bf16' else ''}"
-             f"{', gradient_as_bucket_view=false' if not cfg.dist.gradient_as_bucket_view else ''} (per GPU)")
+             f"{', gradient_as_bucket_view=false' if not cfg.dist.gradient_as_bucket_view else ''}; "
+             f"the {choice.backend} backend (per GPU)")
     print(format_table(est, title, args.local_world_size or args.world_size, activations))
     return 0
 

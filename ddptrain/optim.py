@@ -8,8 +8,8 @@ for no benefit and measurably hurts fine-tuning, so they get their own group wit
 (Adam's two moments: 8 bytes/parameter) for 1/N of the parameters and broadcasts its updated
 shard after the step. Gradients are still all-reduced by DDP, so every rank sees the full, true
 gradient: clipping by global norm and the GradScaler's inf check need no extra collective.
-With ``trainer.param_dtype: bf16`` the masters themselves are sharded instead
-(ddptrain/sharded_masters.py): a plain optimizer over the rank's own fp32 masters.
+With ``trainer.param_dtype: bf16`` the masters themselves are sharded instead (the sharded
+backend, ddptrain/update/sharded.py): a plain optimizer over the rank's own fp32 masters.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from ddptrain.config import OptimConfig, SchedulerConfig
-from ddptrain.sharded_masters import ShardedMasterState
 
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
 if hasattr(nn, "RMSNorm"):
@@ -52,26 +51,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
-                    param_map=None) -> torch.optim.Optimizer:
+                    masters: Optional[dict] = None, local_only: bool = False) -> torch.optim.Optimizer:
     """The optimizer the config names, optionally ZeRO-sharded over the process group.
 
     Args:
         model: the (unwrapped) model; only parameters with ``requires_grad`` are optimised.
         cfg: the ``optim`` config section.
         device: training device; fused Adam kernels are used on CUDA when ``fused: auto``.
-        param_map: model parameter -> the tensor the optimizer updates instead (a dict), or a
-            :class:`ddptrain.precision.MasterWeights` (its ``to_master``). Groups are chosen on
-            the model. Sharded masters (``ShardedMasterWeights``) map only this rank's
-            parameters: the optimizer is then a plain one over them (every group kept, even if
-            empty here, so all ranks have the same groups), never ZeroRedundancyOptimizer.
+        masters: model parameter -> the tensor the optimizer updates instead (the fp32 masters of
+            a bf16 model, ddptrain/update/backend.py). Groups are chosen on the model.
+        local_only: ``masters`` maps only this rank's parameters (sharded masters): the optimizer
+            is a plain one over them (every group kept, even if empty here, so all ranks have the
+            same groups), never ZeroRedundancyOptimizer.
 
     Raises:
         ValueError: no trainable parameters.
     """
     groups = param_groups(model, cfg.weight_decay)
-    masters = getattr(param_map, "to_master", param_map)
-    sharded = getattr(param_map, "sharded", False)
-    if sharded:
+    if local_only:
         groups = [dict(g, params=[masters[p] for p in g["params"] if p in masters]) for g in groups]
     elif masters:
         groups = [dict(g, params=[masters.get(p, p) for p in g["params"]]) for g in groups]
@@ -94,7 +91,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     else:
         raise ValueError(f"optim.name={cfg.name!r} is not one of adamw, adam, sgd")
 
-    if cfg.zero and not sharded and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if cfg.zero and not local_only and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # parameters_as_bucket_view packs each rank's parameters into flat buffers so the
@@ -108,17 +105,6 @@ def is_zero(optimizer) -> bool:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def optimizer_state(optimizer, master=None):
-    """The per-rank stateful object a checkpoint saves for a sharded optimizer (ZeRO's shard, or
-    sharded masters with their optimizer state), or None: the optimizer is then saved once."""
-    if is_zero(optimizer):
-        return ZeroShardState(optimizer)
-    if getattr(master, "sharded", False):
-
-        return ShardedMasterState(optimizer, master)
-    return None
 
 
 def skips_on_device(optimizer) -> bool:

@@ -130,7 +130,7 @@ class MasterWeights:
     + 4 transient (fp32 master gradient during the step) — the same 16 B as fp32 parameters at
     rest, minus autocast's 2 B of transient weight copies, with the activations of a bf16
     residual stream. Under ``optim.zero`` on several ranks the Trainer uses
-    :class:`ddptrain.sharded_masters.ShardedMasterWeights` instead: 4 + 12/N B.
+    :class:`ddptrain.update.sharded.ShardedMasterWeights` instead: 4 + 12/N B.
 
     Args:
         model: the model, on its device, *not yet wrapped in DDP*; modified in place (parameters
@@ -139,7 +139,7 @@ class MasterWeights:
         dtype: the low-precision dtype (``torch.bfloat16``).
     """
 
-    sharded = False  # every rank holds every master (see ddptrain/sharded_masters.py for the other kind)
+    sharded = False  # every rank holds every master (see ddptrain/update/sharded.py for the other kind)
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
         keep = kept_fp32(model)

@@ -3,7 +3,7 @@
 A sharded optimizer saves one file per rank (``optimizer_rank{r}.pt``), each tensor's state keyed
 by a *global* index: ZeRO (:class:`ddptrain.optim.ZeroShardState`) by the tensor's position in
 the optimizer's parameter groups, the sharded fp32 masters (and offloaded ones on several ranks:
-:class:`ddptrain.sharded_masters.ShardedMasterState`) by its position among the model's trainable
+:class:`ddptrain.update.sharded.ShardedMasterState`) by its position among the model's trainable
 parameters, with the masters themselves. A run on one process has a plain optimizer (over the
 fp32 masters of ``trainer.param_dtype: bf16``, if any) and saves it once, in ``trainer.pt``.
 
@@ -27,8 +27,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ddptrain.optim import ZeroShardState, is_zero, param_groups
-from ddptrain.sharded_masters import ShardedMasterState
+from ddptrain.optim import ZeroShardState, param_groups
+from ddptrain.update.sharded import ShardedMasterState
 
 
 def _hparams(groups: list) -> list[dict]:
@@ -133,7 +133,7 @@ class ZeroShards(ZeroShardState):
 
 
 class MasterShards(ShardedMasterState):
-    """:class:`~ddptrain.sharded_masters.ShardedMasterState` that also takes its partition of a
+    """:class:`~ddptrain.update.sharded.ShardedMasterState` that also takes its partition of a
     one-process optimizer's state; the masters then come from the checkpoint's fp32 weights
     (``ShardedMasterWeights.load_state_dict``).
 
@@ -159,12 +159,3 @@ class MasterShards(ShardedMasterState):
                 moved[mine[g]] = state["state"][i]
         _load(self.optimizer, moved, _hparams(state["param_groups"]))
 
-
-def optimizer_checkpoint_state(optimizer, master: Any, module: nn.Module) -> tuple[Any, bool]:
-    """``(stateful object, per rank?)`` that a checkpoint saves for the optimizer: ZeRO's shard or
-    the sharded masters' per rank, the plain optimizer once."""
-    if is_zero(optimizer):
-        return ZeroShards(optimizer), True
-    if getattr(master, "sharded", False):
-        return MasterShards(optimizer, master, module), True
-    return FullOptimizer(optimizer, module, master), False

@@ -4,7 +4,7 @@ the tensors it owns only.
 With ``optim.shard_grads: true`` (and ``optim.zero: true``, ``trainer.param_dtype: bf16``) on
 N > 1 ranks, the Trainer wraps the model in :class:`ShardedGradReducer` instead of DDP. Under
 DDP every rank all-reduces, and keeps, the whole bf16 gradient (2 B per parameter), though with
-sharded masters (ddptrain/sharded_masters.py) a rank only ever reads the gradients of its own
+sharded masters (ddptrain/update/sharded.py) a rank only ever reads the gradients of its own
 partition. Here each gradient is sent to its owner and freed: model state becomes
 ``2 + 2/N + 12/N`` B per trainable parameter instead of ``2 + 2 + 12/N``.
 
@@ -122,7 +122,7 @@ class ShardedGradReducer(nn.Module):
 
     Args:
         module: the model, identical on every rank, its trainable parameters already in their
-            final dtype and storage (after :class:`~ddptrain.sharded_masters.ShardedMasterWeights`).
+            final dtype and storage (after :class:`~ddptrain.update.sharded.ShardedMasterWeights`).
         owners: the owner rank of each trainable parameter, in ``module.parameters()`` order
             (``ShardedMasterWeights.owners``).
         bucket_cap_mb: ``dist.bucket_cap_mb``.

@@ -8,7 +8,7 @@ record.
 
 :func:`forward_backward` is the one copy of a micro-batch's work (autocast, the loss contract,
 loss scaling, backward, the error that names the batch), adding into :class:`StepSums`, what
-:class:`ddptrain.update.StepUpdate` all-reduces. ``Trainer.train_step``, the pre-flight check
+:class:`ddptrain.update.step.StepUpdate` all-reduces. ``Trainer.train_step``, the pre-flight check
 and the tuner (ddptrain/preflight.py, ddptrain/tune.py) all step through it.
 """
 
@@ -55,7 +55,7 @@ class StepSums:
             self.units_host += float(units)
 
     def totals(self) -> tuple:
-        """The first four arguments of :meth:`ddptrain.update.StepUpdate.__call__`."""
+        """The first four arguments of :meth:`ddptrain.update.step.StepUpdate.__call__`."""
         return self.loss, self.units, self.units_host, self.negative
 
 

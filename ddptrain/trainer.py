@@ -25,18 +25,18 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint as ckpt
-from ddptrain import cuda_graphs, dist, ema, preflight, regression, reshard, resume, runfolder, weights
+from ddptrain import cuda_graphs, dist, ema, preflight, regression, resume, runfolder, weights
 from ddptrain.config import Config, ConfigError, check_config, to_yaml
 from ddptrain.contract import batch_ids, check_loss_output, is_empty, to_device
 from ddptrain.guard import StepGuard
 from ddptrain.logging import RunLogger, data_scalars
 from ddptrain.metrics import reduce_ratios
 from ddptrain.optim import apply_hparams, build_scheduler
-from ddptrain.prepare import prepare_model, prepare_step, shard_grads
+from ddptrain.prepare import prepare_model, prepare_step
 from ddptrain.process import PreemptionFlag, StepPacedGC, budget_cpu_threads, prepare_loader_workers
 from ddptrain.progress import LoaderPosition, RNGStreams, SamplerPosition, TrainingProgress
 from ddptrain.steps import StepStream, StepSums, forward_backward, stateful_sampler
-from ddptrain.throughput import AllReduceTimer, FlopsFn, ThroughputWindow
+from ddptrain.throughput import FlopsFn, ThroughputWindow
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Any]]
 MetricsFn = Callable[[nn.Module, Any], dict]  # name -> (numerator, denominator), summed over batches/ranks
@@ -109,20 +109,19 @@ class Trainer:
     def _setup_model(self, model: nn.Module) -> None:
         """Device, LoRA, recompute, compile, master weights, DDP (ddptrain/prepare.py; the tuner's too)."""
         cfg, info = self.cfg, self.info
-        # logging.allreduce_share: how long each rank waits for the gradient all-reduce
-        ddp = info.distributed and info.world_size > 1 and not shard_grads(cfg, info.world_size)
-        self.allreduce_timer = AllReduceTimer(self.device) if ddp and cfg.logging.allreduce_share else None
-        m = self.prepared = prepare_model(model, cfg, info, self.allreduce_timer)
-        self.module, self.model, self.master, self.streamed = m.module, m.model, m.master, m.streamed
+        # logging.allreduce_share: how long each rank waits for DDP's gradient all-reduce
+        m = self.prepared = prepare_model(model, cfg, info, time_allreduce=cfg.logging.allreduce_share)
+        self.allreduce_timer = m.allreduce_timer
+        self.module, self.model, self.backend, self.streamed = m.module, m.model, m.backend, m.streamed
         self.adapted, self.recomputed, self.compiled = m.adapted, m.recomputed, m.compiled
         self.activation_offload = m.activation_offload
 
     def _setup_optimizer(self) -> None:
-        """Optimizer (plain or ZeRO, over the masters if any), precision policy, LR schedule."""
+        """Optimizer (built by the backend), precision policy, the update, the EMA, CUDA graphs."""
         s = self.one_step = prepare_step(self.prepared, self.loss_fn, self.cfg, self.info)  # all preflight sees
         self.optimizer, self.precision, self.update = s.optimizer, s.precision, s.update
         self.guard = StepGuard(self.cfg.trainer, self.precision, self.progress)  # prints through the logger, once made
-        self.ema = ema.build(self.cfg.ema, self.module, self.master, self.optimizer, self.device)  # ema.enabled, else None
+        self.ema = ema.build(self.cfg.ema, self.module, self.backend.ema_follows(), self.device)  # ema.enabled, else None
         self.graphs = cuda_graphs.for_run(self.cfg, s, self.info.world_size)  # compile.cuda_graphs, else None
 
     def _setup_data(self) -> None:
@@ -184,7 +183,7 @@ class Trainer:
                         self.evaluate()  # keep_best ranks checkpoints by their metrics: each needs one
                     self.save()
                     self.gc.full()
-            self.update.settle()  # offload: the model holds the last step's weights when fit returns
+            self.backend.settle()  # offload: the model holds the last step's weights when fit returns
             if self.eval_data is not None and p.last_eval_step != p.step:
                 self.evaluate()
             if c.save_at_end and self._last_saved_step != p.step:
@@ -234,7 +233,7 @@ class Trainer:
         if out["stepped"]:
             self.scheduler.step()  # the schedule only advances with real updates
             if self.ema is not None:
-                self.update.settle()  # offload: the EMA reads the masters the host is updating
+                self.backend.settle()  # offload: the EMA reads the masters the host is updating
                 self.ema.step()  # and so does the EMA (every ema.every_steps of them)
         p.step += 1
         p.batches_done += len(micro_batches)
@@ -273,7 +272,7 @@ class Trainer:
             ConfigError: ``checkpoint.keep_best`` ranks by a metric this evaluation does not produce.
         """
         own, p = data is None, self.progress
-        self.update.settle()  # offload: the last step's host update has finished
+        self.backend.settle()  # offload: the last step's host update has finished
         self.module.eval()
         sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
         with torch.random.fork_rng(devices=[]):  # making an iterator draws a seed: keep training's RNG
@@ -326,9 +325,9 @@ class Trainer:
         shared = {"scheduler": self.scheduler, "precision": self.precision, "progress": self.progress}
         per_rank = {"rng": self.rng, "sampler": SamplerPosition(sampler, self.progress) if sampler
                     else LoaderPosition(self.progress)}
-        # ZeRO's shard or the sharded masters per rank, a plain optimizer once (ddptrain/reshard.py)
-        state, sharded = reshard.optimizer_checkpoint_state(self.optimizer, self.master, self.module)
-        (per_rank if sharded else shared)["optimizer"] = state
+        mine, theirs = self.backend.states()  # the optimizer: saved once, or each rank its shard
+        shared.update(mine)
+        per_rank.update(theirs)
         if self.ema is not None:  # sharded as the optimizer is
             (per_rank if self.ema.sharded else shared)["ema"] = self.ema
         return shared, per_rank
@@ -336,13 +335,14 @@ class Trainer:
     def save(self) -> str:
         """Collective save of the complete training state (see ddptrain/checkpoint.py)."""
         c, p = self.cfg.checkpoint, self.progress
-        self.update.settle()  # offload: weights, masters and optimizer state of the finished update
+        self.backend.settle()  # offload: weights, masters and optimizer state of the finished update
         metrics = p.last_eval if p.last_eval_step == p.step else {}
         meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
         if self.ema is not None:
             meta["ema"] = self.ema.meta()  # whether the metrics measured the EMA (exports follow that)
-        tensors, header = weights.weights_to_save(self.module, self.master, c.trainable_only, c.base_model)
+        tensors, header = weights.weights_to_save(self.module, self.backend.weights(self.module), c.trainable_only,
+                                                  c.base_model)
         files = {weights.WEIGHTS: lambda path: weights.save_weights(tensors, path, header),
                  "config.yaml": to_yaml(self.cfg)}
         if self._folders:  # a resume may then name the same folder at another path
@@ -379,8 +379,7 @@ class Trainer:
         meta = ckpt.load(path, shared, per_rank, self.info.world_size, self.info.rank)
         source, saved = weights.read_weights(path)
         weights.apply_weights(self.module, source, saved, strict=True, expect=weights.resume_keys(self.module, source))
-        if self.master:  # exact fp32 masters gathered from a sharded checkpoint, if any, over their bf16 rounding
-            self.master.load_state_dict({**saved, **getattr(shared.get("optimizer"), "masters", {})}, self.module)
+        self.backend.load_weights(saved, self.module)  # the fp32 masters from the weights file, if any
         if fresh:
             self.ema.reset()  # it starts from the resumed weights
             if self.info.is_main:
@@ -406,8 +405,8 @@ class Trainer:
             RuntimeError: the last host update failed (optim.offload) and nothing raised it yet.
         """
         try:
-            if getattr(self, "update", None) is not None:
-                self.update.close()  # offload: no host update thread outlives the Trainer
+            if getattr(self, "backend", None) is not None:
+                self.backend.close()  # offload: no host update thread outlives the Trainer
         finally:
             if self.logger is not None:
                 self.logger.close()

@@ -228,18 +228,19 @@ def base_fingerprint(module: nn.Module) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def weights_to_save(module: nn.Module, master=None, trainable_only: bool = False,
+def weights_to_save(module: nn.Module, tensors: Optional[dict] = None, trainable_only: bool = False,
                     base_model: str = "") -> tuple[dict, dict]:
     """``(tensors, header entries)`` a checkpoint saves as its ``model.safetensors``.
 
     Args:
         module: the (unwrapped) model.
-        master: its master weights, if any (their ``state_dict(module)``: fp32 masters).
+        tensors: the weights by state-dict key (the optimizer backend's ``weights(module)``: fp32
+            masters where it holds them all); default ``module.state_dict()``.
         trainable_only: keep only :func:`trainable_keys`; the header names ``base_model``
             (absolute path) and the frozen weights' :func:`base_fingerprint`.
         base_model: where the frozen weights come from.
     """
-    weights = master.state_dict(module) if master is not None else module.state_dict()
+    weights = tensors if tensors is not None else module.state_dict()
     header = {}
     scalings = lora_scalings(module)
     if scalings:  # lets load_weights add the adapters to a plain model, and export merge them

@@ -22,7 +22,8 @@ sys.path.insert(0, BENCH)
 MODULES = ["flops", "measure", "profiling", "workloads", "peers", "run", "gpu_session", "check_flops",
            "bench_balance", "bench_padding", "bench_dataloading", "bench_9b", "bench_glmasr",
            "bench_voxcpm", "bench_shards", "calib", "nccl_probe", "check_offload", "check_activation_offload",
-           "check_sharded_grads", "check_streamed_base", "profile_table", "check_cuda_graphs", "bench_fused_update"]
+           "check_sharded_grads", "check_streamed_base", "profile_table", "check_cuda_graphs", "bench_fused_update",
+           "check_backends"]
 
 
 def rows(path):

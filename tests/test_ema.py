@@ -200,12 +200,12 @@ def test_evaluation_runs_on_the_ema_and_gives_the_trained_weights_back_bit_for_b
     trainer = ddptrain.Trainer(NormFrame(), frame_loss, cfg, data, eval_data=data)
     final = trainer.fit()["loss"]
     before = params_of(trainer.module)
-    masters = [m.detach().clone() for _, m in trainer.master.pairs] if trainer.master else []
-    assert trainer.master is None or any(p is m for p, m in trainer.master.pairs)  # BatchNorm kept fp32
+    masters = [m.detach().clone() for _, m in trainer.backend.master.pairs] if trainer.backend.master else []
+    assert trainer.backend.master is None or any(p is m for p, m in trainer.backend.master.pairs)  # BatchNorm kept fp32
     got = trainer.evaluate()["loss"]
     after = params_of(trainer.module)
     assert all(torch.equal(after[k], v) for k, v in before.items()), "trained weights not restored exactly"
-    assert all(torch.equal(a, m) for a, (_, m) in zip(masters, trainer.master.pairs)) if masters else True
+    assert all(torch.equal(a, m) for a, (_, m) in zip(masters, trainer.backend.master.pairs)) if masters else True
     assert got == final  # the end-of-fit evaluation ran on the same EMA
     with trainer.ema.swapped():
         swapped = params_of(trainer.module)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain.fused_update import FusedMasterAdamW
+from ddptrain.update.fused import FusedMasterAdamW
 from ddptrain.precision import MasterWeights
 from test_precision import BF16, Weights, const_grad_loss
 from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
@@ -38,7 +38,7 @@ def _fit(out, *extra, steps=4, resume="none"):
 
 
 def _masters(trainer):
-    return [m.detach().clone() for _, m in trainer.master.pairs]
+    return [m.detach().clone() for _, m in trainer.backend.master.pairs]
 
 
 def test_fused_update_steps_as_torch_adamw_does(tmp_path):
@@ -47,10 +47,10 @@ def test_fused_update_steps_as_torch_adamw_does(tmp_path):
     assert fused.step == plain.step == 4
     for a, b in zip(_masters(fused), _masters(plain)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
-    for (p, _), (q, _) in zip(fused.master.pairs, plain.master.pairs):
+    for (p, _), (q, _) in zip(fused.backend.master.pairs, plain.backend.master.pairs):
         assert p.dtype == q.dtype
         assert torch.allclose(p.detach().float(), q.detach().float(), rtol=1e-2, atol=1e-3)
-    state = fused.optimizer.state[fused.master.pairs[0][1]]
+    state = fused.optimizer.state[fused.backend.master.pairs[0][1]]
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and float(state["step"]) == 4.0
 
 
@@ -111,7 +111,7 @@ def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, m
     """optim.fused_update=auto (the default): on a GPU with Triton for bf16 masters under a plain,
     fused AdamW; off on the CPU, under another optimizer or AdamW's unfused kernels, with sharded or
     absent masters, without Triton; ``true`` refuses what ``auto`` passes over."""
-    from ddptrain import fused_update
+    from ddptrain.update import fused as fused_update
 
     assert ddptrain.load_config(None, []).optim.fused_update == "auto"
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -136,12 +136,12 @@ def test_auto_takes_the_fused_update_where_it_applies_and_only_there(tmp_path, m
     assert fused_update.for_run("auto", adamw, master, gpu) is None
     monkeypatch.undo()
     # through the Trainer on the CPU: auto leaves the unfused update in place
-    assert _fit(tmp_path / "auto", steps=2).update.fused is None
+    assert _fit(tmp_path / "auto", steps=2).backend.fused is None
 
 KERNEL_CHECK = r"""
 import torch
 from torch import nn
-from ddptrain.fused_update import FusedMasterAdamW, _BLOCK
+from ddptrain.update.fused import FusedMasterAdamW, _BLOCK
 from ddptrain.precision import MasterWeights
 from ddptrain.optim import param_groups
 

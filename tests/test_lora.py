@@ -195,7 +195,7 @@ def test_trainer_trains_adapters_only_with_the_frozen_base_in_bf16_without_maste
     assert len(trainer.adapted) == 8
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
-    masters = {id(p) for p, _ in trainer.master.pairs}
+    masters = {id(p) for p, _ in trainer.backend.master.pairs}
     assert masters == {id(p) for p in model.parameters() if p.requires_grad}  # adapters + head only
     trainer.fit()
     after = model.state_dict()
@@ -297,7 +297,7 @@ def test_trainable_only_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_pa
     assert resumed.step == 4
     for k, v in full.module.state_dict().items():
         assert torch.equal(resumed.module.state_dict()[k], v), f"{k} differs after resume"
-    for (_, a), (_, b) in zip(full.master.pairs, resumed.master.pairs):
+    for (_, a), (_, b) in zip(full.backend.master.pairs, resumed.backend.master.pairs):
         assert torch.equal(a, b)
 
     # resuming onto another base model is refused, naming the base

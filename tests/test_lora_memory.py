@@ -202,7 +202,7 @@ def _bench_step_peak(tmp_path, layers: int, monkeypatch) -> tuple[int, ddptrain.
         trainer.train_step([batch])  # the optimizer state exists from here on
         keep = [*model.parameters(), *batch.values(), *(v for s in trainer.optimizer.state.values()
                                                         for v in s.values() if torch.is_tensor(v))]
-        keep += [m for _, m in trainer.master.pairs] if trainer.master else []
+        keep += [m for _, m in trainer.backend.master.pairs] if trainer.backend.master else []
         with LiveBytes(ignore=keep) as live:
             trainer.train_step([batch])
     return live.peak, trainer, batch
@@ -227,7 +227,7 @@ def test_bench_9b_lora_step_memory_and_frozen_state(tmp_path, monkeypatch):
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad} == {"lora_A", "lora_B"}
     assert all(p.grad is None and p.dtype == torch.bfloat16 for p in frozen)
-    masters = [m for _, m in trainer.master.pairs]
+    masters = [m for _, m in trainer.backend.master.pairs]
     assert len(masters) == len(trainable) == 2 * len(trainer.adapted) == 2 * 6 * 6
     optimised = [p for g in trainer.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in optimised} == {id(m) for m in masters}

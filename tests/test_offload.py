@@ -1,4 +1,4 @@
-"""Optimizer offload (optim.offload=cpu, ddptrain/offload.py) against the on-device update.
+"""Optimizer offload (optim.offload=cpu, ddptrain/update/host.py) against the on-device update.
 
 On CPU the offload path runs its whole machinery (partition, staging buffer, chunked host
 update with the optimizer's own step, broadcast of each owner's weights) without streams, and
@@ -24,7 +24,7 @@ import ddptrain
 from _dist import run_ranks
 from ddptrain import preflight
 from ddptrain.config import ConfigError
-from ddptrain.offload import OffloadedMasters
+from ddptrain.update.host import OffloadedMasters
 from test_trainer import FEAT, FrameMLP, frame_loss, make_cfg, micro_batches, params_of
 
 STEPS = 20
@@ -52,7 +52,7 @@ def _run(out, run, data, *extra, make_model=FrameMLP, watch=None):
         if watch is not None:
             watch(trainer)
         trainer.fit()
-        master = trainer.master
+        master = trainer.backend.master
     return params_of(model), losses, master
 
 
@@ -104,7 +104,7 @@ def test_offload_one_rank_sends_the_last_backwards_gradients_during_it(tmp_path)
             return getattr(self.real, name)
 
         def __call__(self, *a, **k):
-            master = self.trainer.master
+            master = self.trainer.backend.master
             seen.append(([p.grad is not None for p in master.trainable], list(master._sent)))
             return self.real(*a, **k)
 
@@ -198,11 +198,11 @@ def test_offload_skips_a_non_finite_step_and_counts_it(tmp_path):
 
         def watch(micro, real=trainer.train_step):
             if trainer.step == 2:
-                before.update({k: m.detach().clone() for k, m in enumerate(trainer.master.to_master.values())})
+                before.update({k: m.detach().clone() for k, m in enumerate(trainer.backend.master.to_master.values())})
             out = real(micro)
             if trainer.step == 3:
                 assert not out["stepped"]
-                after = {k: m.detach() for k, m in enumerate(trainer.master.to_master.values())}
+                after = {k: m.detach() for k, m in enumerate(trainer.backend.master.to_master.values())}
                 assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed a master"
             return out
 
@@ -288,7 +288,7 @@ def test_a_preflight_step_that_fails_mid_backward_leaves_the_offload_nothing(tmp
     def fail_once(trainer):
         step = trainer.one_step
         oom = preflight.train_once(dataclasses.replace(step, loss_fn=_oom_loss), data[0], "preflight")
-        failed.append((oom, list(trainer.master._sent)))
+        failed.append((oom, list(trainer.backend.master._sent)))
         preflight.release(step)
 
     after, after_losses, master = _run(tmp_path, "after", data, *SMALL_CHUNKS, watch=fail_once)

@@ -51,7 +51,7 @@ def test_masters_take_updates_below_bf16_resolution(tmp_path):
     for _ in range(steps):
         ref.grad = C.clone()
         opt.step()
-    master = trainer.master.to_master[model.w]
+    master = trainer.backend.master.to_master[model.w]
     assert master.dtype == torch.float32
     assert torch.equal(master.detach(), ref.detach())
     assert torch.equal(model.w.detach(), ref.detach().to(torch.bfloat16))
@@ -77,13 +77,13 @@ def test_checkpoint_holds_fp32_masters_and_resume_restores_them(tmp_path):
         return _train_4_steps(out, resume, Weights, const_grad_loss, lambda: [{"x": torch.randn(4, 8)}] * 4, 1e-3)
 
     full = run(tmp_path / "full", "none")
-    master = full.master.to_master[full.module.w].detach()
+    master = full.backend.master.to_master[full.module.w].detach()
     saved = load_file(str(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.safetensors"))
     assert saved["w"].dtype == torch.float32 and torch.equal(saved["w"], master)
     assert full.module.w.dtype == torch.bfloat16  # the model went back to bf16 after the save
     resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoints" / "step_00000002"))
     assert resumed.step == 4
-    assert torch.equal(resumed.master.to_master[resumed.module.w].detach(), master)
+    assert torch.equal(resumed.backend.master.to_master[resumed.module.w].detach(), master)
     assert torch.equal(resumed.module.w.detach(), full.module.w.detach())
 
 
@@ -122,13 +122,13 @@ def test_tied_weights_have_one_master_and_save_and_resume(tmp_path):
 
     full = run(tmp_path / "full", "none")
     model = full.module
-    assert model.out.weight is model.emb.weight and len(full.master.pairs) == 3  # emb/out, mid.w, mid.b
-    master = full.master.to_master[model.emb.weight].detach()
+    assert model.out.weight is model.emb.weight and len(full.backend.master.pairs) == 3  # emb/out, mid.w, mid.b
+    master = full.backend.master.to_master[model.emb.weight].detach()
     saved = load_file(str(tmp_path / "full" / "checkpoints" / "step_00000004" / "model.safetensors"))
     assert torch.equal(saved["emb.weight"], master) and torch.equal(saved["out.weight"], master)
     resumed = run(tmp_path / "resumed", str(tmp_path / "full" / "checkpoints" / "step_00000002"))
     assert resumed.module.out.weight is resumed.module.emb.weight
-    assert torch.equal(resumed.master.to_master[resumed.module.emb.weight].detach(), master)
+    assert torch.equal(resumed.backend.master.to_master[resumed.module.emb.weight].detach(), master)
 
 
 def test_reset_scaler_forgets_a_failed_step_and_keeps_the_scale():

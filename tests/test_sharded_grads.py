@@ -88,9 +88,9 @@ def _runs_worker(rank, world, out, runs):
         held_then_update.settle, held_then_update.close = update.settle, update.close  # and these between steps
         trainer.update = held_then_update
         trainer.fit()
-        masters = {trainer.master.global_index[id(m)]: m.detach().clone() for _, m in trainer.master.pairs}
+        masters = {trainer.backend.master.global_index[id(m)]: m.detach().clone() for _, m in trainer.backend.master.pairs}
         torch.save({"params": params_of(trainer.module), "grads": grads, "peaks": peaks, "masters": masters,
-                    "owners": trainer.master.owners, "sharded": reducer is not None,
+                    "owners": trainer.backend.master.owners, "sharded": reducer is not None,
                     "buckets": [(b.owner, b.numel) for b in reducer.buckets] if reducer else None},
                    os.path.join(out, f"{name}_rank{rank}.pt"))
 
@@ -234,7 +234,7 @@ def _skip_worker(rank, world, out):
         for batch in data:
             out_ = trainer.train_step([batch])
             snaps.append({"params": params_of(trainer.module), "norm": out_["grad_norm"], "loss": out_["loss_sum"],
-                          "masters": [m.detach().clone() for _, m in trainer.master.pairs],
+                          "masters": [m.detach().clone() for _, m in trainer.backend.master.pairs],
                           "state": [v.clone() for st in trainer.optimizer.state.values() for k, v in st.items()
                                     if k == "exp_avg"]})
         snapshots[fused] = {"snaps": snaps, "skipped": trainer.skipped_steps}

@@ -32,7 +32,7 @@ def _zero_worker(rank, world, out, run, extra):
     local = getattr(trainer.optimizer, "optim", trainer.optimizer)
     n_local = sum(p.numel() for g in local.param_groups for p in g["params"])
     n_all = sum(p.numel() for p in model.parameters())
-    masters = sum(m.numel() for p, m in trainer.master.pairs if p is not m) if trainer.master else 0
+    masters = sum(m.numel() for p, m in trainer.backend.master.pairs if p is not m) if trainer.backend.master else 0
     trainer.fit()
     torch.save({"params": params_of(model), "n_local": n_local, "n_all": n_all, "masters": masters},
                os.path.join(out, f"{run}_rank{rank}.pt"))
@@ -254,7 +254,7 @@ def _skip_worker(rank, world, out):
     for micro in [[b] for b in data]:
         trainer.train_step(micro)
         snaps.append({"params": params_of(trainer.module),
-                      "masters": [m.detach().clone() for _, m in trainer.master.pairs],
+                      "masters": [m.detach().clone() for _, m in trainer.backend.master.pairs],
                       "state": {k: v.clone() for st in trainer.optimizer.state.values() for k, v in st.items()
                                 if k == "exp_avg"}})
     torch.save({"snaps": snaps, "skipped": trainer.skipped_steps}, os.path.join(out, f"skip_rank{rank}.pt"))

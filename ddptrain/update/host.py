@@ -4,7 +4,7 @@ With ``optim.offload: cpu`` (and ``trainer.param_dtype: bf16``) the GPU keeps on
 weights and their bf16 gradients: 4 B per trainable parameter instead of the 16 of
 :class:`ddptrain.precision.MasterWeights`, or ``2 + 2/N`` with sharded gradients. Each rank
 holds the masters of its own partition only (the whole-tensor partition of
-ddptrain/sharded_masters.py), so the host of a node holds each master once.
+ddptrain/update/sharded.py), so the host of a node holds each master once.
 
 How a step goes, once the StepUpdate has all-reduced the step's verdict (finite? the
 normalisation-and-clipping factor?) and read it on the host:
@@ -86,7 +86,7 @@ from torch import nn
 from ddptrain.config import ConfigError
 from ddptrain.precision import cast_frozen, kept_fp32
 from ddptrain.process import agree_on_host_memory
-from ddptrain.sharded_masters import partition
+from ddptrain.update.sharded import partition
 
 
 def host_bytes_per_param() -> int:

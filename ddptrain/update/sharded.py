@@ -6,7 +6,7 @@ fp32 masters and the two Adam moments): ``4 + 12/N`` (DeepSpeed ZeRO-1's bf16 fi
 :class:`ddptrain.precision.MasterWeights` under ZeroRedundancyOptimizer kept every master on
 every rank (``8 + 8/N``). A 10.3B-parameter model on 2 GPUs: 103 GB of model state instead of 124.
 
-How a step goes (``ddptrain/update.py`` drives it through the MasterWeights interface):
+How a step goes (the sharded backend, ddptrain/update/backend.py, drives it through the MasterWeights interface):
 
 1. DDP all-reduces the bf16 gradients as usual: every rank has the full, true gradient, so the
    global-norm clip and the non-finite check need nothing new. (With ``optim.shard_grads``,

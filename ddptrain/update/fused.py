@@ -22,13 +22,14 @@ gradient, inside the same call; so does everything on the CPU (the tests also ru
 there, in Triton's interpreter).
 
 ``auto`` (the default) turns it on wherever it applies: a GPU with Triton, the fp32 masters of a
-bf16 model updated on the device by a plain AdamW with its fused kernels (:func:`for_run`).
+bf16 model updated on the device by a plain AdamW with its fused kernels
+(``ddptrain.update.choose.fused_kernel_serves``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib.util  # noqa: F401  (choose.fused_kernel_serves reads Triton through it; the tests patch it here)
 import os
 from typing import Optional
 
@@ -36,6 +37,8 @@ import torch
 
 from ddptrain.config import ConfigError
 from ddptrain.optim import skips_on_device
+from ddptrain.precision import MasterWeights
+from ddptrain.update.choose import fused_kernel_serves
 
 _BLOCK = 4096  # elements per Triton program: a few MB per thousand programs, grids of ~10^5 at 1B params
 
@@ -99,7 +102,7 @@ def _triton_kernel():
 
 def refusal_for(optimizer: torch.optim.Optimizer, master) -> Optional[str]:
     """Why this update cannot stand for ``optimizer`` over ``master``, or None if it can."""
-    if master is None or getattr(master, "sharded", False) or getattr(master, "offloaded", False):
+    if not isinstance(master, MasterWeights) or master.sharded:
         return ("optim.fused_update=true needs the fp32 masters of trainer.param_dtype=bf16, "
                 "on the training device and not sharded (optim.zero=false, optim.offload=none)")
     if type(optimizer) is not torch.optim.AdamW:
@@ -111,14 +114,11 @@ def refusal_for(optimizer: torch.optim.Optimizer, master) -> Optional[str]:
 
 
 def for_run(mode, optimizer: torch.optim.Optimizer, master, device: torch.device) -> Optional["FusedMasterAdamW"]:
-    """``optim.fused_update``: ``true`` builds it (a ConfigError where it does not apply), ``auto``
-    builds it where it applies on a GPU with Triton and AdamW runs fused (``optim.fused=false``, a
-    request for the unfused kernels, keeps them), ``false`` never."""
-    mode = str(mode).lower()  # a CLI override `optim.fused_update=true` arrives as "True"
-    if mode == "false":
-        return None
-    if mode == "auto" and (device.type != "cuda" or importlib.util.find_spec("triton") is None
-                           or refusal_for(optimizer, master) or not skips_on_device(optimizer)):
+    """``optim.fused_update`` over given objects (the Trainer's backend decides through
+    :func:`ddptrain.update.choose.choose`): ``true`` builds it (a ConfigError where it does not
+    apply), ``auto`` builds it where :func:`fused_kernel_serves`, ``false`` never."""
+    stands = refusal_for(optimizer, master) is None
+    if not fused_kernel_serves(mode, stands, skips_on_device(optimizer), stands, device.type == "cuda"):
         return None
     return FusedMasterAdamW(optimizer, master)
 
