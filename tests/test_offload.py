@@ -336,7 +336,7 @@ class _Poisoned:
 
 def _slow_host_step(monkeypatch, seconds=0.01):
     """Each chunk's host update takes a while: the next forward surely starts before it ends."""
-    import ddptrain.offload as offload
+    import ddptrain.update.host as offload
 
     real = offload._step
 
@@ -354,7 +354,7 @@ def _run_stack(out, run, data, *extra, loss=None, overlap=True, seen=None):
                    "checkpoint.keep_last=0", *BF16, *extra)
     losses = []
     with ddptrain.Trainer(model, loss or _Poisoned(), cfg, data) as trainer:
-        real, master = trainer.train_step, trainer.master
+        real, master = trainer.train_step, trainer.backend.master
         if master is not None and getattr(master, "offloaded", False):
             master.overlap = overlap
             wait = master._wait
@@ -429,7 +429,7 @@ def test_offload_host_update_error_surfaces_at_the_next_wait_and_leaves_no_threa
     """An exception on the worker thread is raised in the training thread at its next wait (a
     block's forward hook here), chained; the with-block ends without a hang and no thread of the
     update is left; the error is not raised twice."""
-    import ddptrain.offload as offload
+    import ddptrain.update.host as offload
 
     real, calls = offload._step, []
 
@@ -466,7 +466,7 @@ def test_offload_interrupted_run_finishes_its_host_update_and_leaves_no_thread(t
     def interrupted(model, batch, n=[0]):
         n[0] += 1
         if n[0] == 7:  # step 4's first forward: step 3's update is on the host
-            in_flight.append(trainer.master._thread is not None and trainer.master._thread.is_alive())
+            in_flight.append(trainer.backend.master._thread is not None and trainer.backend.master._thread.is_alive())
             raise KeyboardInterrupt
         return frame_loss(model, batch)
 
@@ -474,9 +474,9 @@ def test_offload_interrupted_run_finishes_its_host_update_and_leaves_no_thread(t
         with ddptrain.Trainer(Stack(), interrupted, cfg, _data_one_rank()) as trainer:
             trainer.fit()
     assert in_flight == [True]
-    assert trainer.master._thread is None
+    assert trainer.backend.master._thread is None
     assert not [t for t in threading.enumerate() if t.name.startswith("ddptrain-offload")]
-    assert all(torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in trainer.master.to_master.items())
+    assert all(torch.equal(p.detach(), m.detach().to(p.dtype)) for p, m in trainer.backend.master.to_master.items())
 
 
 @pytest.mark.timeout(120)
@@ -501,7 +501,7 @@ def test_offload_host_memory_need_counts_the_scratch_this_rank_needs(tmp_path, m
     a whole chunk's 0.5 GiB: it starts on a host with 1.3 GiB free (1 GiB of it kept free); the
     message names each part of the need."""
     import ddptrain.process as process
-    from ddptrain.offload import scratch_elems
+    from ddptrain.update.host import scratch_elems
 
     assert scratch_elems([10, 30, 20], 2**27) == 60 and scratch_elems([10, 30, 20], 25) == 25 - 1 + 30
     assert scratch_elems([], 5) == 0
@@ -509,8 +509,8 @@ def test_offload_host_memory_need_counts_the_scratch_this_rank_needs(tmp_path, m
     torch.manual_seed(0)
     cfg = make_cfg(tmp_path / "run", "trainer.max_steps=1", *BF16, "optim.offload=cpu")
     with ddptrain.Trainer(FrameMLP(), frame_loss, cfg, _data_one_rank()) as trainer:
-        n = sum(p.numel() for p in trainer.master.trainable)
-        assert trainer.master.host_bytes() <= n * 18
+        n = sum(p.numel() for p in trainer.backend.master.trainable)
+        assert trainer.backend.master.host_bytes() <= n * 18
     monkeypatch.setattr(process, "available_host_memory", lambda *a, **k: 1024)
     with pytest.raises(ConfigError, match="fp32 masters .* AdamW moments .* bf16 staging .* fp32 gradient scratch"):
         ddptrain.Trainer(FrameMLP(), frame_loss, make_cfg(tmp_path / "run2", *BF16, "optim.offload=cpu"),

@@ -85,7 +85,6 @@ def _runs_worker(rank, world, out, runs):
             return update(*args)
 
         held_then_update.before_backward = update.before_backward  # the loop calls it before each backward
-        held_then_update.settle, held_then_update.close = update.settle, update.close  # and these between steps
         trainer.update = held_then_update
         trainer.fit()
         masters = {trainer.backend.master.global_index[id(m)]: m.detach().clone() for _, m in trainer.backend.master.pairs}

@@ -290,11 +290,11 @@ def _solo_worker(rank, world, out, run, extra):
         trainer.optimizer.zero_grad()
         state = trainer._states()[1 if world == 2 else 0]["optimizer"]
         loaded = {"state": state.state_dict(), "ema": trainer.ema.state_dict() if trainer.ema else None}
-        if trainer.master is not None and world == 1:
-            loaded["masters"] = {k: v.clone() for k, v in trainer.master.state_dict(trainer.module).items()}
+        if trainer.backend.master is not None and world == 1:
+            loaded["masters"] = {k: v.clone() for k, v in trainer.backend.master.state_dict(trainer.module).items()}
         torch.save(loaded, os.path.join(out, f"{run}_loaded_rank{rank}.pt"))
     trainer.fit()
-    state = trainer.master.state_dict(trainer.module) if trainer.master is not None and world == 1 else None
+    state = trainer.backend.master.state_dict(trainer.module) if trainer.backend.master is not None and world == 1 else None
     torch.save({"params": params_of(trainer.module), "masters": state}, os.path.join(out, f"{run}_rank{rank}.pt"))
 
 
