@@ -240,6 +240,7 @@ class Trainer:
         """Save what is worth saving, then leave ``fit`` the way ``reason`` asks."""
         if reason == "preempt":
             self.logger.print(f"preemption signal: saving at step {self.progress.step} and exiting")
+            self.preemption.acknowledge()  # the SystemExit below is this signal's ending
             self.save()
             raise SystemExit(self.cfg.trainer.preempt_exit_code)
         # after non-finite steps the parameters are untouched: the last good state

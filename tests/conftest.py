@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import signal
+import threading
 
 import pytest
 import torch
@@ -29,3 +31,19 @@ def one_thread_frozen_heap():
         yield
     torch.set_num_threads(threads)
     gc.unfreeze()
+
+
+def _end_session(signum, frame):
+    pytest.exit(f"stopped by signal {signal.Signals(signum).name}", returncode=128 + signum)
+
+
+def pytest_configure(config):
+    """SIGTERM ends the whole run with its summary (``timeout 30m make test`` stops).
+
+    A Trainer fitting inside a test takes SIGTERM over as a preemption (save, SystemExit), which
+    pytest records as that test's failure before it goes on with the next: the run ignored
+    ``timeout``. With a handler of its own here, the Trainer hands the signal back when its
+    ``fit()`` ends (ddptrain/process.py), and the run stops there.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _end_session)
