@@ -20,8 +20,10 @@ $(STAMP): setup.py
 
 install: $(STAMP)  ## create .venv with torch==2.11.0, torchaudio==2.11.0 and ddptrain (editable)
 
-test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo)
-	$(PYBIN) -m pytest -q tests
+# one line per test module with its progress, the 15 slowest tests at the end; a hung run ends
+# (pytest.ini: a timeout per test and one for the session)
+test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo), slowest tests listed at the end
+	$(PYBIN) -m pytest tests --durations=15
 
 # a previous demo run is not deleted: checkpoint.start_over moves its files to runs/asr_demo/*/archive/ and says so
 demo: $(STAMP)  ## install, then run the main job: the two-stage ASR demo on the shipped data (CPU)
