@@ -10,27 +10,38 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def one_thread_frozen_heap():
-    """One intra-op thread and a frozen import-time heap, for modules that train tiny models.
+@pytest.fixture(scope="session", autouse=True)
+def frozen_import_heap():
+    """The heap that imports made (all test modules are imported before the first test) is
+    frozen out of the garbage collector's reach for the whole run.
 
-    Threads: on CI's few shared cores, 2 OpenMP threads made a tiny GLM-ASR step ~8x slower
-    than 1 (they spin at every parallel region); the Trainer respects ``OMP_NUM_THREADS``.
-    Heap: the Trainer runs a full ``gc.collect()`` at every epoch end, evaluation and save
-    (StepPacedGC); with transformers imported that walks ~350k objects (~0.3 s), and tiny test
-    epochs of 2 batches made it most of a recipe test's time. ``gc.freeze()`` moves what exists
-    now (the imports) out of the collector's reach: the same collections still run, over the
-    objects the tests make. Both are undone at the end of the module.
+    The Trainer runs a full ``gc.collect()`` when its fit starts and at every epoch end,
+    evaluation and save (StepPacedGC); with torch, transformers and torchaudio imported that
+    walks ~340k objects (~0.3 s idle, 1.7 s on a busy 2-core machine), and a tiny test run of a
+    few steps makes several: the collections were a large share of many tests' time.
+    ``gc.freeze()`` moves what exists now out of the collector's reach; the same collections
+    still run, over the objects the tests make. Undone at the end of the run.
     """
     gc.collect()
     gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(scope="module")
+def one_thread_frozen_heap():
+    """One intra-op thread, for modules that train tiny models (the heap: ``frozen_import_heap``).
+
+    On CI's few shared cores, 2 OpenMP threads made a tiny GLM-ASR step ~8x slower than 1 (they
+    spin at every parallel region); the Trainer respects ``OMP_NUM_THREADS``. Undone at the end
+    of the module.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         yield
     torch.set_num_threads(threads)
-    gc.unfreeze()
 
 
 def _end_session(signum, frame):
