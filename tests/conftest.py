@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import threading
 
@@ -12,8 +13,12 @@ import torch
 
 @pytest.fixture(scope="session", autouse=True)
 def frozen_import_heap():
-    """The heap that imports made (all test modules are imported before the first test) is
-    frozen out of the garbage collector's reach for the whole run.
+    """One intra-op thread, and the heap that imports made (all test modules are imported before
+    the first test) frozen out of the garbage collector's reach, for the whole run.
+
+    Threads: as torchrun sets them (``OMP_NUM_THREADS=1``; the Trainer and every subprocess
+    respect it): the tests' models are tiny, and on 2 shared cores a second OpenMP thread only
+    spins at every parallel region. A test that checks the thread budget unsets it itself.
 
     The Trainer runs a full ``gc.collect()`` when its fit starts and at every epoch end,
     evaluation and save (StepPacedGC); with torch, transformers and torchaudio imported that
@@ -22,10 +27,16 @@ def frozen_import_heap():
     ``gc.freeze()`` moves what exists now out of the collector's reach; the same collections
     still run, over the objects the tests make. Undone at the end of the run.
     """
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        if "OMP_NUM_THREADS" not in os.environ:
+            mp.setenv("OMP_NUM_THREADS", "1")
+            torch.set_num_threads(1)
+        gc.collect()
+        gc.freeze()
+        yield
+        gc.unfreeze()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
