@@ -51,6 +51,8 @@ class PreemptionFlag:
         self.received: list[int] = []  # in arrival order, each signal once
         self._acknowledged = False
         self._old: dict = {}
+        self._installed = False
+        self._sigchld: Any = None  # torch's DataLoader takes SIGCHLD over: given back too
 
     def _handler(self, signum, frame) -> None:
         self.requested = True
@@ -59,7 +61,9 @@ class PreemptionFlag:
 
     def install(self) -> None:
         """Take over the signals (main thread only; a second call keeps the first's saved handlers)."""
-        if threading.current_thread() is threading.main_thread() and not self._old:
+        if threading.current_thread() is threading.main_thread() and not self._installed:
+            self._installed = True
+            self._sigchld = signal.getsignal(signal.SIGCHLD) if hasattr(signal, "SIGCHLD") else None
             self._old = {sig: signal.signal(sig, self._handler) for sig in self.signals}
 
     def acknowledge(self) -> None:
@@ -68,14 +72,32 @@ class PreemptionFlag:
 
     def restore(self) -> None:
         """Put the previous handlers back, then deliver to them the signals that arrived."""
-        old, self._old = self._old, {}
+        if not self._installed:
+            return
+        old, self._old, self._installed = self._old, {}, False
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        _give_back_sigchld(self._sigchld)
         received, self.received = self.received, []
         for sig in received:
             handler = old.get(sig)
             if callable(handler) or (handler == signal.SIG_DFL and not self._acknowledged):
                 signal.raise_signal(sig)  # runs the handler now (or ends the process: its default)
+
+
+def _give_back_sigchld(before: Any) -> None:
+    """Put back the SIGCHLD handler that torch's DataLoader installed during ``fit()``.
+
+    torch installs it (to report a dead worker at once) when a loader first starts workers, and
+    never removes it; its flag is reset too, so a later loader of the host installs it again.
+    """
+    from torch.utils.data._utils import signal_handling  # private: checked, else left alone
+
+    if before is None or not getattr(signal_handling, "_SIGCHLD_handler_set", False):
+        return
+    if signal.getsignal(signal.SIGCHLD) != before:
+        signal.signal(signal.SIGCHLD, before)
+        signal_handling._SIGCHLD_handler_set = False
 
 
 def budget_cpu_threads(loader: Any) -> None:

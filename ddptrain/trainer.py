@@ -189,11 +189,11 @@ class Trainer:
                 self.save()
             return p.last_eval
         finally:
-            self.preemption.restore()
             self.gc.stop()
             self.logger.flush()
             self._release_folder()
             self.stream.stop_workers()
+            self.preemption.restore()  # last: it may hand a signal to the host's handler, which may raise
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this rank's micro-batches; collective with all ranks."""

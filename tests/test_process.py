@@ -302,3 +302,39 @@ def test_sigterm_ends_the_test_run_also_while_a_trainer_fits(tmp_path):
     assert "stopped by signal SIGTERM" in out, out
     assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir(), out  # the Trainer saved first
     assert not (tmp_path / "went_on").exists(), out
+
+
+class _Frames(Dataset):
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_with_loader_workers_leaves_no_sigchld_handler_and_no_worker(tmp_path, monkeypatch):
+    """torch's DataLoader takes SIGCHLD over when its first worker starts and never gives it back:
+    after fit() the host's handler is back (and torch's flag reset, so a later loader of the host
+    installs its own again), and no worker outlives the run."""
+    import multiprocessing
+
+    import ddptrain
+    from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+    from torch.utils.data._utils import signal_handling
+
+    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)
+    before = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        loader = DataLoader(_Frames([mb[0] for mb in micro_batches(3)]), batch_size=None, num_workers=1)
+        cfg = make_cfg(tmp_path, "trainer.max_steps=3", "checkpoint.save_at_end=false")
+        with ddptrain.Trainer(FrameMLP(), frame_loss, cfg, loader) as trainer:
+            trainer.fit()
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+        assert not signal_handling._SIGCHLD_handler_set
+        assert not [p for p in multiprocessing.active_children() if p.daemon], "a loader worker outlived fit()"
+    finally:
+        signal.signal(signal.SIGCHLD, before)
