@@ -20,7 +20,9 @@ $(STAMP): setup.py
 
 install: $(STAMP)  ## create .venv with torch==2.11.0, torchaudio==2.11.0 and ddptrain (editable)
 
-test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo): each test as it runs, the 15 slowest at the end
+# each test as it runs with the suite's progress, the 15 slowest tests at the end; a hung run ends
+# (pytest.ini: a timeout per test and one for the session)
+test: $(STAMP)  ## install, then run the whole test suite (CPU, gloo), slowest tests listed at the end
 	$(PYBIN) -m pytest -v --durations=15 tests
 
 # a previous demo run is not deleted: checkpoint.start_over moves its files to runs/asr_demo/*/archive/ and says so

@@ -262,7 +262,7 @@ def run_ddptrain(args) -> dict:
     mem_reset()
     trainer = ddptrain.Trainer(model, loss, cfg, loader)
     if "bench.offload_overlap=false" in ov:  # bench.offload_overlap=false: every step waits for its host update
-        trainer.master.overlap = False
+        trainer.backend.master.overlap = False
     timed.attach(trainer)
     trainer.fit()
     sync()
@@ -271,7 +271,7 @@ def run_ddptrain(args) -> dict:
     logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
-             "ov": ov, "data_wait_frac": waits, "offload_overlap": getattr(trainer.master, "overlap", None),
+             "ov": ov, "data_wait_frac": waits, "offload_overlap": getattr(trainer.backend.master, "overlap", None),
              "losses": [r["loss"] for r in logged if r.get("split") == "train"],  # graphs vs eager, log by log
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
              **step_record(timed.calls, w, n), **graph_counts(trainer)}

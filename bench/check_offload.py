@@ -63,7 +63,7 @@ def losses(tmp: str, name: str, *extra: str, overlap: bool = True, seen: list | 
                                       "trainer.param_dtype=bf16", "trainer.clip_grad_norm=1.0", "optim.lr=3e-4", *extra])
     out = []
     with ddptrain.Trainer(Tiny(), lm_loss, cfg, data) as trainer:
-        master = trainer.master
+        master = trainer.backend.master
         if isinstance(master, OffloadedMasters):
             master.overlap = overlap
             if seen is not None:

@@ -222,9 +222,13 @@ class GraphedSteps:
             if graph is not None:
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
                     entry.loss, entry.units = self._forward_backward(entry.static, where)
-            else:  # rerun: a forward that changes nothing stands for the capture (its RNG draws undone)
+            else:  # rerun: a forward that changes nothing stands for the capture (its RNG draws undone,
+                # and its buffers: a capture runs no kernel, BatchNorm's running statistics stay)
+                buffers = [(b, b.clone()) for b in self.model.buffers()]
                 with torch.no_grad(), torch.random.fork_rng(devices=[]):
                     entry.units = self._forward_backward(entry.static, where, backward=False)[1]
+                    for b, kept in buffers:
+                        b.copy_(kept)
         except TrainingError:
             raise
         except Exception as e:  # nothing ran: the gradients hold what they held before the capture

@@ -28,7 +28,10 @@ class PreemptionFlag:
 
     The handler only sets a flag: saving from inside a signal handler could interrupt a
     collective half-way. ``install()`` before the training loop, ``restore()`` after it puts the
-    previous handlers back.
+    previous handlers back and hands them the signals that arrived meanwhile, so the host
+    program is as it was: a signal the loop acted on (``acknowledge()``: it saved and exits) is
+    not repeated to a default or ignoring handler, every other one is delivered (a SIGTERM that
+    came during the last evaluation still ends the process; a host's own handler sees every one).
 
     Args:
         names: signal names, e.g. ``["SIGTERM", "SIGUSR1"]``.
@@ -45,19 +48,56 @@ class PreemptionFlag:
                 raise ValueError(f"trainer.preempt_signals: unknown signal {name!r}")
             self.signals.append(sig)
         self.requested = False
+        self.received: list[int] = []  # in arrival order, each signal once
+        self._acknowledged = False
         self._old: dict = {}
+        self._installed = False
+        self._sigchld: Any = None  # torch's DataLoader takes SIGCHLD over: given back too
 
     def _handler(self, signum, frame) -> None:
         self.requested = True
+        if signum not in self.received:
+            self.received.append(signum)
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():  # signals only work there
+        """Take over the signals (main thread only; a second call keeps the first's saved handlers)."""
+        if threading.current_thread() is threading.main_thread() and not self._installed:
+            self._installed = True
+            self._sigchld = signal.getsignal(signal.SIGCHLD) if hasattr(signal, "SIGCHLD") else None
             self._old = {sig: signal.signal(sig, self._handler) for sig in self.signals}
 
+    def acknowledge(self) -> None:
+        """The loop acts on the request (saves and exits): the default action is not repeated."""
+        self._acknowledged = True
+
     def restore(self) -> None:
-        for sig, handler in self._old.items():
+        """Put the previous handlers back, then deliver to them the signals that arrived."""
+        if not self._installed:
+            return
+        old, self._old, self._installed = self._old, {}, False
+        for sig, handler in old.items():
             signal.signal(sig, handler)
-        self._old = {}
+        _give_back_sigchld(self._sigchld)
+        received, self.received = self.received, []
+        for sig in received:
+            handler = old.get(sig)
+            if callable(handler) or (handler == signal.SIG_DFL and not self._acknowledged):
+                signal.raise_signal(sig)  # runs the handler now (or ends the process: its default)
+
+
+def _give_back_sigchld(before: Any) -> None:
+    """Put back the SIGCHLD handler that torch's DataLoader installed during ``fit()``.
+
+    torch installs it (to report a dead worker at once) when a loader first starts workers, and
+    never removes it; its flag is reset too, so a later loader of the host installs it again.
+    """
+    from torch.utils.data._utils import signal_handling  # private: checked, else left alone
+
+    if before is None or not getattr(signal_handling, "_SIGCHLD_handler_set", False):
+        return
+    if signal.getsignal(signal.SIGCHLD) != before:
+        signal.signal(signal.SIGCHLD, before)
+        signal_handling._SIGCHLD_handler_set = False
 
 
 def budget_cpu_threads(loader: Any) -> None:

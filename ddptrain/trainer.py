@@ -196,11 +196,11 @@ class Trainer:
             raise stalled from e
         finally:
             dist.follow_progress(None)  # no step to watch outside fit (a rank-0-only export after it)
-            self.preemption.restore()
             self.gc.stop()
             self.logger.flush()
             self._release_folder()
             self.stream.stop_workers()
+            self.preemption.restore()  # last: it may hand a signal to the host's handler, which may raise
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this rank's micro-batches; collective with all ranks."""
@@ -248,6 +248,7 @@ class Trainer:
         """Save what is worth saving, then leave ``fit`` the way ``reason`` asks."""
         if reason == "preempt":
             self.logger.print(f"preemption signal: saving at step {self.progress.step} and exiting")
+            self.preemption.acknowledge()  # the SystemExit below is this signal's ending
             self.save()
             raise SystemExit(self.cfg.trainer.preempt_exit_code)
         # after non-finite steps the parameters are untouched: the last good state

@@ -23,7 +23,8 @@ def test_preemption_signal_sets_the_flag_and_restore_puts_the_old_handler_back()
     try:
         assert not flag.requested
         os.kill(os.getpid(), signal.SIGUSR1)  # delivered to the main thread before kill returns
-        assert flag.requested
+        assert flag.requested and flag.received == [signal.SIGUSR1]
+        flag.acknowledge()  # the loop saves and exits: the default action (end) is not repeated
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGUSR1) is old
@@ -248,3 +249,170 @@ def test_the_cpu_quota_of_a_nested_v1_cgroup_caps_the_threads(tmp_path):
     (proc / "cgroup").write_text("4:memory:/slurm/uid_0/job_1\n2:cpu,cpuacct:/slurm/uid_0/job_1\n")
     (proc / "mountinfo").write_text(V1_MOUNTS.format(root="/"))
     assert process.cgroup_cpu_quota(root, str(tmp_path / "proc")) == 3.0
+
+
+# ----------------------------------------------------------------------------- the host's signal handlers (issue 49 item 13)
+
+
+class _Recorder:
+    """A host program's own signal handler: records what reaches it."""
+
+    def __init__(self):
+        self.got: list[int] = []
+
+    def __call__(self, signum, frame):
+        self.got.append(signum)
+
+
+def _signalling_trainer(tmp_path, at_step: int, in_eval: bool):
+    """A tiny Trainer over 4 steps that sends itself SIGUSR1 during step ``at_step``'s loss (or
+    during the final evaluation), with SIGUSR1 as its preemption signal."""
+    import ddptrain
+    from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+
+    calls = {"train": 0}
+
+    def loss(model, batch):
+        if model.training:
+            calls["train"] += 1
+            if not in_eval and calls["train"] == at_step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        elif in_eval:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return frame_loss(model, batch)
+
+    torch.manual_seed(0)
+    data = [mb[0] for mb in micro_batches(4)]
+    cfg = make_cfg(tmp_path, "trainer.max_steps=4", "trainer.preempt_signals=[SIGUSR1]", "checkpoint.save_at_end=false")
+    return ddptrain.Trainer(FrameMLP(), loss, cfg, data, eval_data=data[:1])
+
+
+@pytest.mark.timeout(120)
+def test_fit_gives_the_host_its_handlers_back_with_the_signals_it_kept(tmp_path):
+    """A signal the loop could no longer act on (it came during the final evaluation) was lost:
+    the host's handler never saw it, and a default SIGTERM that should end the process did
+    not. A signal the loop acted on (save, SystemExit) now also reaches the host's own handler,
+    so a program (pytest) that ends on SIGTERM still ends. Handlers are back after every fit."""
+    host = _Recorder()
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = signal.signal(signal.SIGUSR1, host)
+    try:
+        with _signalling_trainer(tmp_path / "late", 0, in_eval=True) as trainer:
+            trainer.fit()  # the loop is over: nothing to save, the signal goes to the host
+        assert host.got == [signal.SIGUSR1] and signal.getsignal(signal.SIGUSR1) is host
+        with _signalling_trainer(tmp_path / "mid", 2, in_eval=False) as trainer:
+            with pytest.raises(SystemExit):
+                trainer.fit()
+            assert trainer.step == 2  # it saved at step 2 and exited, as a preemption does
+        assert host.got == [signal.SIGUSR1] * 2 and signal.getsignal(signal.SIGUSR1) is host
+        assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def _restore_in_a_child(mode: str) -> int:
+    """Fork; the child installs a flag, gets SIGUSR1, restores and exits 0 if still alive."""
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it (no pytest teardown in a fork)
+        try:
+            if mode == "ignored":
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            else:
+                signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+            kept = signal.getsignal(signal.SIGUSR1)
+            flag = PreemptionFlag(["SIGUSR1"])
+            flag.install()
+            flag.install()  # a second install keeps the first's saved handler
+            os.kill(os.getpid(), signal.SIGUSR1)
+            if mode == "acknowledged":
+                flag.acknowledge()
+            flag.restore()
+            os._exit(0 if signal.getsignal(signal.SIGUSR1) == kept else 3)
+        finally:
+            os._exit(4)
+    return os.waitpid(pid, 0)[1]
+
+
+def test_restore_ends_on_a_default_signal_it_did_not_act_on_and_keeps_an_ignored_one():
+    """The default action of SIGUSR1 ends the process: a flag whose signal was not acted on
+    delivers it at restore(); an acknowledged one, or an ignored signal, does not."""
+    assert os.WIFSIGNALED(status := _restore_in_a_child("default")) and os.WTERMSIG(status) == signal.SIGUSR1
+    assert os.waitstatus_to_exitcode(_restore_in_a_child("acknowledged")) == 0
+    assert os.waitstatus_to_exitcode(_restore_in_a_child("ignored")) == 0
+
+
+_SESSION = '''
+import os, signal
+import torch
+import ddptrain
+from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+
+def test_a_trainer_gets_sigterm_mid_fit():
+    steps = []
+    def loss(model, batch):
+        steps.append(1)
+        if len(steps) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return frame_loss(model, batch)
+    cfg = make_cfg(os.path.abspath("run"), "trainer.max_steps=4", "checkpoint.save_at_end=false")
+    ddptrain.Trainer(FrameMLP(), loss, cfg, [mb[0] for mb in micro_batches(4)]).fit()
+
+def test_b_runs_only_if_the_run_went_on():
+    open("went_on", "w").close()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_test_run_also_while_a_trainer_fits(tmp_path):
+    """The suite absorbed SIGTERM (``timeout`` did not stop it): a Trainer in a test took it as a
+    preemption, exited that test with SystemExit, and pytest went on. tests/conftest.py's handler
+    gets it back from the Trainer and ends the run, with the Trainer's save done."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_session.py").write_text(_SESSION)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                          "test_session.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    out = run.stdout + run.stderr
+    assert run.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by signal SIGTERM" in out, out
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir(), out  # the Trainer saved first
+    assert not (tmp_path / "went_on").exists(), out
+
+
+class _Frames(Dataset):
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_with_loader_workers_leaves_no_sigchld_handler_and_no_worker(tmp_path, monkeypatch):
+    """torch's DataLoader takes SIGCHLD over when its first worker starts and never gives it back:
+    after fit() the host's handler is back (and torch's flag reset, so a later loader of the host
+    installs its own again), and no worker outlives the run."""
+    import multiprocessing
+
+    import ddptrain
+    from test_trainer import FrameMLP, frame_loss, make_cfg, micro_batches
+    from torch.utils.data._utils import signal_handling
+
+    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)
+    before = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        loader = DataLoader(_Frames([mb[0] for mb in micro_batches(3)]), batch_size=None, num_workers=1)
+        cfg = make_cfg(tmp_path, "trainer.max_steps=3", "checkpoint.save_at_end=false")
+        with ddptrain.Trainer(FrameMLP(), frame_loss, cfg, loader) as trainer:
+            trainer.fit()
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+        assert not signal_handling._SIGCHLD_handler_set
+        assert not [p for p in multiprocessing.active_children() if p.daemon], "a loader worker outlived fit()"
+    finally:
+        signal.signal(signal.SIGCHLD, before)
