@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -48,6 +49,8 @@ def _stopping_worker(rank, world, out, how):
 
     with open(os.path.join(out, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
+    # what this rank prints to stderr, for the test (ranks start from a fork server: not the test's fds)
+    sys.stderr = open(os.path.join(out, f"stderr{rank}.txt"), "w", buffering=1)
     holder = {}
 
     def loss(model, batch):
@@ -75,7 +78,7 @@ def _stopping_worker(rank, world, out, how):
 
 @pytest.mark.timeout(150)  # ~30 s on an idle machine: start-up, 2 steps, dist.timeout_s=6
 @pytest.mark.parametrize("how", ["sigstop", "sleep"])
-def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, capfd, how):
+def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, how):
     """The healthy rank's error says which rank stopped answering and where it was, not only its own
     batch: a frozen rank's heartbeat is stale; a busy one's is fresh and says where it is busy.
     Half-way to the timeout the waiting rank already warns (NCCL's watchdog ends a process
@@ -88,7 +91,7 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path, ca
     if how == "sigstop":
         assert re.search(r"rank 1 \(last heartbeat \d+ s ago, after step [0-2], .*\) stopped answering", error), error
         assert "rank 0 (last heartbeat" not in error, error  # the healthy rank is not blamed
-        warned = capfd.readouterr().err
+        warned = (tmp_path / "stderr0.txt").read_text()
         assert re.search(r"WARNING: rank 0: no step for \d+ s, and rank 1 \(last heartbeat", warned), warned
     else:
         assert "every rank still answers" in error, error
