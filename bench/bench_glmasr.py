@@ -34,10 +34,7 @@ peer that does not finish in ``--timeout`` seconds is recorded as such):
   start; ``..._cg`` (``ddptrain_bf16_compile_cg``, ``..._cut_cg``): + ``compile.cuda_graphs=true``,
   one CUDA graph per batch shape; more variants by ``--ov NAME=k=v,k=v`` (values without commas).
 * ``ddptrain_offload``: bf16 weights, layers compiled and recomputed, ``optim.offload=cpu`` (the
-  masters and AdamW on the host, the update overlapped with the next forward);
-  ``ddptrain_offload_eager`` without the compile; ``ddptrain_offload_wait`` each step waiting for
-  its whole host update, as before the overlap (``bench.offload_overlap=false``: the
-  OffloadedMasters' ``overlap`` off; the same arithmetic).
+  masters and AdamW on the host); ``ddptrain_offload_eager`` without the compile.
 * ``--gpu-memory-gb G``: every peer capped at G GiB (ddptrain's ``trainer.gpu_memory_gb``, the
   same allocator fraction for the others); the rows carry ``gpu_memory_gb``.
 * ``data``: the loader alone, batches per second (is a peer data-bound?).
@@ -129,8 +126,6 @@ OVERRIDES["ddptrain_best_recompute"] = OVERRIDES["ddptrain_best"] + [
 RECOMPUTE = ["recompute.enabled=true", "recompute.module_classes=[GlmAsrEncoderLayer,LlamaDecoderLayer]"]
 OVERRIDES["ddptrain_offload"] = BF16 + COMPILE + RECOMPUTE + ["optim.offload=cpu"]
 OVERRIDES["ddptrain_offload_eager"] = BF16 + RECOMPUTE + ["optim.offload=cpu"]
-# the offload as before the overlap: each step waits for its whole host update (the before/after pair)
-OVERRIDES["ddptrain_offload_wait"] = OVERRIDES["ddptrain_offload"] + ["bench.offload_overlap=false"]
 HF_PEERS = ("hf", "hf_compile", "hf_ds2", "hf_ds2_offload", "hf_grouped", "hf_compile_grouped", "bare")
 
 
@@ -261,8 +256,6 @@ def run_ddptrain(args) -> dict:
     timed = TimedSteps(stats, keep=args.profile_steps + 1 if args.profile or args.gaps else 0)
     mem_reset()
     trainer = ddptrain.Trainer(model, loss, cfg, loader)
-    if "bench.offload_overlap=false" in ov:  # bench.offload_overlap=false: every step waits for its host update
-        trainer.backend.master.overlap = False
     timed.attach(trainer)
     trainer.fit()
     sync()
@@ -271,7 +264,7 @@ def run_ddptrain(args) -> dict:
     logged = [json.loads(x) for x in open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"))]
     waits = [r["data_wait_frac"] for r in logged if r.get("split") == "train" and w < r["step"] <= w + n]
     extra = {"compiled_modules": len(trainer.compiled), "recomputed_modules": len(trainer.recomputed),
-             "ov": ov, "data_wait_frac": waits, "offload_overlap": getattr(trainer.backend.master, "overlap", None),
+             "ov": ov, "data_wait_frac": waits,
              "losses": [r["loss"] for r in logged if r.get("split") == "train"],  # graphs vs eager, log by log
              "data_batch_size_mean": loader.batch_sampler.epoch_stats()["batch_size_mean"],
              **step_record(timed.calls, w, n), **graph_counts(trainer)}

@@ -1,21 +1,13 @@
-"""GPU check of ``optim.offload=cpu``: the same losses as the on-device update, the overlapped
-host update exact, and the host step's cost.
+"""GPU check of ``optim.offload=cpu``: the same losses as the on-device update, and the host step's cost.
 
 1. A small bf16 transformer trained 20 steps twice on the GPU, masters on the device (fused CUDA
    AdamW) and offloaded (fused CPU AdamW): the losses must agree to bf16 rounding (the two fused
    kernels differ in the last bits of fp32, which bf16 weights mostly hide).
-2. The overlapped update (the host updates chunk by chunk while the next forward runs, each layer
-   waiting for its own weights' upload) against the offload that waits for the whole update
-   (``overlap`` off), in small chunks (several per layer), deterministic algorithms on: the fp32
-   masters and losses must be bitwise equal; a second waiting run is the control (were it not
-   bitwise equal to the first, the GPU's kernels would not be deterministic here, and the
-   overlapped run may differ by no more than it). The row also counts the layer waits that found
-   their chunk still being updated (the overlap happened).
-3. The host update alone, at ``--params`` trainable parameters (GLM-ASR-Nano-2512: 2.14e9): the
-   wall time of :meth:`OffloadedMasters.step` up to :meth:`~OffloadedMasters.settle` (gradients
-   down, fused CPU AdamW in chunks, weights up) against the sum of its parts measured separately.
+2. The host update alone, at ``--params`` trainable parameters (GLM-ASR-Nano-2512: 2.14e9): the
+   wall time of :meth:`OffloadedMasters.step` (gradients down, fused CPU AdamW in chunks, weights
+   up) against the sum of its parts measured separately.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 bench/check_offload.py --out rows.jsonl [--params 2.14e9]
+    python3 bench/check_offload.py --out rows.jsonl [--params 2.14e9] [--threads 16]
 """
 
 from __future__ import annotations
@@ -51,10 +43,7 @@ def lm_loss(model, batch):
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"), batch[:, 1:].numel()
 
 
-def losses(tmp: str, name: str, *extra: str, overlap: bool = True, seen: list | None = None,
-           masters: dict | None = None) -> list:
-    """Per-step losses of 20 steps; ``overlap``: the offload's; ``seen``: gets, per layer wait,
-    whether the chunk was still being updated; ``masters``: gets the final fp32 masters."""
+def losses(tmp: str, name: str, *extra: str) -> list:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 1000, (8, 129), generator=gen) for _ in range(20)]
@@ -63,41 +52,10 @@ def losses(tmp: str, name: str, *extra: str, overlap: bool = True, seen: list | 
                                       "trainer.param_dtype=bf16", "trainer.clip_grad_norm=1.0", "optim.lr=3e-4", *extra])
     out = []
     with ddptrain.Trainer(Tiny(), lm_loss, cfg, data) as trainer:
-        master = trainer.backend.master
-        if isinstance(master, OffloadedMasters):
-            master.overlap = overlap
-            if seen is not None:
-                wait = master._wait
-                master._wait = lambda c: (seen.append(not c.ready.is_set()), wait(c))[1]
         step = trainer.train_step
         trainer.train_step = lambda micro: (lambda o: (out.append(o["loss_sum"] / o["units"]), o)[1])(step(micro))
         trainer.fit()
-        if masters is not None:
-            masters.update({i: m.detach().clone() for i, m in enumerate(master.to_master.values())})
     return out
-
-
-def overlap_exact(tmp: str) -> dict:
-    """The overlapped host update against the waiting one, bitwise (a second waiting run: the control)."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    small = ("optim.offload=cpu", "optim.offload_chunk_mb=1")  # ~0.5M parameters a chunk: several per layer
-    try:
-        ref_m, ctl_m, ovl_m, seen = {}, {}, {}, []
-        ref = losses(tmp, "wait", *small, overlap=False, masters=ref_m)
-        ctl = losses(tmp, "wait2", *small, overlap=False, masters=ctl_m)
-        ovl = losses(tmp, "overlap", *small, overlap=True, seen=seen, masters=ovl_m)
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-    def diff(a: dict, b: dict) -> float:
-        return max((a[k] - b[k]).abs().max().item() for k in a)
-
-    control, overlapped = diff(ref_m, ctl_m), diff(ref_m, ovl_m)
-    ok = (ovl == ref and overlapped == 0.0) if (ctl == ref and control == 0.0) else overlapped <= control
-    return {"workload": "offload_overlap_exact", "peer": "ddptrain_offload", "world_size": 1, "steps": len(ref),
-            "losses_equal": ovl == ref, "control_losses_equal": ctl == ref,
-            "max_abs_master_diff": overlapped, "control_max_abs_master_diff": control,
-            "waits": len(seen), "waits_on_chunks_in_flight": sum(seen), "ok": bool(ok and sum(seen) > 0)}
 
 
 def host_step(n_params: float, chunk_mb: float) -> dict:
@@ -113,7 +71,6 @@ def host_step(n_params: float, chunk_mb: float) -> dict:
         torch.cuda.synchronize()
         t = time.perf_counter()
         master.step(opt, 1.0)
-        master.settle()  # the step returns while the host updates (the overlap): time it to the end
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     # the parts alone: the download, the optimizer over all masters at once, the upload
@@ -144,21 +101,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dev = losses(tmp, "device")
         off = losses(tmp, "offload", "optim.offload=cpu")
-        overlap = overlap_exact(tmp)
     worst = max(abs(a - b) / abs(a) for a, b in zip(dev, off))
     rows.append({"workload": "offload_equivalence", "peer": "ddptrain_offload", "world_size": 1, "steps": len(dev),
                  "loss_device": dev, "loss_offload": off, "max_rel_loss_diff": worst})
     print(f"losses on the device {dev[0]:.4f} -> {dev[-1]:.4f}, offloaded {off[0]:.4f} -> {off[-1]:.4f}, "
           f"max relative difference {worst:.2e}", flush=True)
-    rows.append(overlap)
-    print(json.dumps(rows[-1]), flush=True)
     rows.append(host_step(args.params, args.chunk_mb))
     print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    return 0 if worst < 2e-2 and rows[1]["ok"] else 1
+    return 0 if worst < 2e-2 else 1
 
 
 if __name__ == "__main__":

@@ -116,7 +116,6 @@ def release(step, collect: bool = True) -> None:
     """Free what a step of ``step`` (a :class:`ddptrain.prepare.OneStep`) left behind: gradients,
     a failed step's scaler state, cached blocks and (``collect``: after a failure, whose
     traceback cycles hold the activations) garbage."""
-    step.update.backend.settle()  # offload: the host update of the step may still be running
     step.optimizer.zero_grad(set_to_none=True)  # the masters' gradients, if any
     step.model.zero_grad(set_to_none=True)
     step.update.backend.drop_grads()  # the masters' own; offload: also what a failed backward had sent to the host
@@ -314,7 +313,6 @@ def preflight(step, data, mode: str = "worst", say: Callable[[str], None] = prin
                 say(f"pre-flight: {b.describe(size)} fits" + (
                     f": peak {peak:.1f} GB of {meter.capacity() / GB:.1f} GB" if meter else ""))
     finally:
-        step.update.backend.settle()  # offload: no host update still writes the optimizer state cleared below
         with torch.no_grad():
             for buf, saved in buffers:
                 buf.copy_(saved)

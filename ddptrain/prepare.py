@@ -83,11 +83,8 @@ def prepare_model(model: nn.Module, cfg: Config, info: dist.DistInfo, time_allre
     recomputed = apply_recompute(model, cfg.recompute) if cfg.recompute.enabled else []
     activation_offload = apply_offload(model, cfg.recompute, device)  # recompute.offload: saved tensors to host
     compiled = apply_compile(model, cfg.compile)  # regional: selected blocks only
-    # bf16 weights with fp32 masters (on the GPU, sharded or on the host), or the model as it is;
-    # the host backend's update overlaps the next forward through hooks on these blocks (none
-    # under a whole-model compile: dynamo would trace them)
-    blocks = [*recomputed, *compiled] if not cfg.compile.enabled or compiled else None
-    backend = backends.make(choice, model, cfg, device, blocks)
+    # bf16 weights with fp32 masters (on the GPU, sharded or on the host), or the model as it is
+    backend = backends.make(choice, model, cfg, device)
     streamed = stream_base(model, cfg, device, recomputed)  # after the masters' casts, before DDP
     wrapped = backend.reducer(model, cfg)  # optim.shard_grads: each rank reduces into its own shard, no DDP
     ddp = wrapped is None and info.distributed

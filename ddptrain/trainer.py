@@ -183,7 +183,6 @@ class Trainer:
                         self.evaluate()  # keep_best ranks checkpoints by their metrics: each needs one
                     self.save()
                     self.gc.full()
-            self.backend.settle()  # offload: the model holds the last step's weights when fit returns
             if self.eval_data is not None and p.last_eval_step != p.step:
                 self.evaluate()
             if c.save_at_end and self._last_saved_step != p.step:
@@ -233,7 +232,6 @@ class Trainer:
         if out["stepped"]:
             self.scheduler.step()  # the schedule only advances with real updates
             if self.ema is not None:
-                self.backend.settle()  # offload: the EMA reads the masters the host is updating
                 self.ema.step()  # and so does the EMA (every ema.every_steps of them)
         p.step += 1
         p.batches_done += len(micro_batches)
@@ -273,7 +271,6 @@ class Trainer:
             ConfigError: ``checkpoint.keep_best`` ranks by a metric this evaluation does not produce.
         """
         own, p = data is None, self.progress
-        self.backend.settle()  # offload: the last step's host update has finished
         self.module.eval()
         sums: dict[str, list[float]] = {"loss": [0.0, 0.0]}
         with torch.random.fork_rng(devices=[]):  # making an iterator draws a seed: keep training's RNG
@@ -336,7 +333,6 @@ class Trainer:
     def save(self) -> str:
         """Collective save of the complete training state (see ddptrain/checkpoint.py)."""
         c, p = self.cfg.checkpoint, self.progress
-        self.backend.settle()  # offload: weights, masters and optimizer state of the finished update
         metrics = p.last_eval if p.last_eval_step == p.step else {}
         meta = {"epoch": p.epoch, "zero": self.cfg.optim.zero and self.info.world_size > 1, "run_id": p.run_id,
                 "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)}}
@@ -399,19 +395,10 @@ class Trainer:
             self._lock = None
 
     def close(self) -> None:
-        """Finish the last step's update, flush and close the logs and release the run folder
-        (also at the end of a ``with``).
-
-        Raises:
-            RuntimeError: the last host update failed (optim.offload) and nothing raised it yet.
-        """
-        try:
-            if getattr(self, "backend", None) is not None:
-                self.backend.close()  # offload: no host update thread outlives the Trainer
-        finally:
-            if self.logger is not None:
-                self.logger.close()
-            self._release_folder()
+        """Flush and close the logs and release the run folder (also at the end of a ``with``)."""
+        if self.logger is not None:
+            self.logger.close()
+        self._release_folder()
 
     def __enter__(self) -> "Trainer":
         return self

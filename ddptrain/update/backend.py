@@ -93,9 +93,8 @@ class Backend(abc.ABC):
 
     name: ClassVar[str] = ""
 
-    def __init__(self, choice: Choice, model: nn.Module, cfg: Any, device: torch.device,
-                 blocks: Optional[list] = None):
-        self.choice, self.device, self.blocks = choice, device, blocks
+    def __init__(self, choice: Choice, model: nn.Module, cfg: Any, device: torch.device):
+        self.choice, self.device = choice, device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master: Any = None
         self.optimizer: Any = None
@@ -179,18 +178,6 @@ class Backend(abc.ABC):
 
     def drop_grads(self) -> None:
         """Free every gradient the backend keeps beside the model's (after a failed step)."""
-
-    def settle(self) -> None:
-        """Wait for the last step's update to finish. The host backend's runs on the host while the
-        next forward starts; call this before reading weights, masters or optimizer state between
-        two steps (evaluation, the EMA, a checkpoint).
-
-        Raises:
-            RuntimeError: the update in flight failed (the host backend's worker).
-        """
-
-    def close(self) -> None:
-        """Finish the update in flight: no thread of it outlives the Trainer."""
 
     # ------------------------------------------------------------------ what others ask of it
 
@@ -290,9 +277,8 @@ class Masters(Backend):
 
     name = "masters"
 
-    def __init__(self, choice: Choice, model: nn.Module, cfg: Any, device: torch.device,
-                 blocks: Optional[list] = None):
-        super().__init__(choice, model, cfg, device, blocks)
+    def __init__(self, choice: Choice, model: nn.Module, cfg: Any, device: torch.device):
+        super().__init__(choice, model, cfg, device)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             ddist.broadcast_module(model)  # the masters are made here: the same start on every rank
         self.master = self._masters(model, cfg, device)
@@ -365,9 +351,8 @@ class Sharded(Masters):
 
     name = "sharded"
 
-    def __init__(self, choice: Choice, model: nn.Module, cfg: Any, device: torch.device,
-                 blocks: Optional[list] = None):
-        super().__init__(choice, model, cfg, device, blocks)
+    def __init__(self, choice: Choice, model: nn.Module, cfg: Any, device: torch.device):
+        super().__init__(choice, model, cfg, device)
         self.shards_grads = choice.shard_grads
 
     def _masters(self, model: nn.Module, cfg: Any, device: torch.device):
@@ -408,8 +393,7 @@ class Host(Sharded):
 
     def _masters(self, model: nn.Module, cfg: Any, device: torch.device):
         # ema.enabled: its fp32 copy sits beside the masters on the host (its memory is checked with theirs)
-        return host.prepare(model, cfg.optim.offload_chunk_mb, device, host_ema=bool(cfg.ema.enabled),
-                            regions=self.blocks or (), hooks=self.blocks is not None)
+        return host.prepare(model, cfg.optim.offload_chunk_mb, device, host_ema=bool(cfg.ema.enabled))
 
     def _build_optimizer(self, module: nn.Module, cfg: Any):
         # updated on the host: torch's fused CPU AdamW (multi-threaded) unless optim.fused=false
@@ -420,8 +404,6 @@ class Host(Sharded):
         return False
 
     def before_backward(self, last: bool) -> None:
-        # the forward waits for the weights of the update in flight that no block's hook covers
-        self.master.before_forward()
         # one rank: during the step's last backward each gradient goes to the host as it is made
         if self.master.streams:
             self.master.streaming = last
@@ -437,14 +419,8 @@ class Host(Sharded):
         return True
 
     def zero_grad(self) -> None:
-        # only the update's worker thread gives the masters gradients, and drops them
+        self.optimizer.zero_grad(set_to_none=True)
         self.master.zero_model_grads()
-
-    def settle(self) -> None:
-        self.master.settle()
-
-    def close(self) -> None:
-        self.master.close()
 
     def states(self) -> tuple[dict, dict]:
         if self.master.sharded:
@@ -481,12 +457,6 @@ def backend_class(choice: Choice) -> type:
     return BY_NAME[choice.backend]
 
 
-def make(choice: Choice, model: nn.Module, cfg: Any, device: torch.device,
-         blocks: Optional[list] = None) -> Backend:
-    """The backend ``choice`` names, over ``model`` (on its device, before the streamed base and DDP).
-
-    Args:
-        blocks: names of the modules regional compile or recompute run as one unit; None under a
-            whole-model compile. The host backend's next forward waits per block for its weights.
-    """
-    return backend_class(choice)(choice, model, cfg, device, blocks)
+def make(choice: Choice, model: nn.Module, cfg: Any, device: torch.device) -> Backend:
+    """The backend ``choice`` names, over ``model`` (on its device, before the streamed base and DDP)."""
+    return backend_class(choice)(choice, model, cfg, device)
