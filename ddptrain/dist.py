@@ -13,6 +13,7 @@ the next collective.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import os
@@ -388,6 +389,9 @@ def follow_progress(progress) -> None:
     and warn when it stalls with a peer silent; None: no step to watch (outside the loop)."""
     if _heartbeat is not None:
         _heartbeat.progress = progress
+        if progress is not None:  # one beat now: steps faster than the beat's interval still show inside fit
+            with contextlib.suppress(Exception):  # the store's host busy: the thread's next beat tries again
+                _heartbeat._beat()
 
 
 def peer_timeout(error: BaseException) -> Optional[PeerTimeoutError]:
