@@ -851,29 +851,9 @@ def _merge(base: DictConfig, other: DictConfig, origin: str, key: str = "?") -> 
                           + ("{a: 1, b: 2})" if wants_mapping else "[1, 2])")) from None
 
 
-def _section_given_a_value(base: DictConfig, other: DictConfig, prefix: str = "") -> Optional[tuple[str, str]]:
-    """The first key that is a section in ``base`` and a value (not a mapping) in ``other``:
-    ``(dotted key, the value as YAML writes it)``, or None."""
-    for k in other:
-        try:
-            if k not in base:
-                continue
-            b, o = base[k], other[k]
-        except OmegaConfBaseException:
-            continue
-        if isinstance(b, DictConfig) and not isinstance(o, DictConfig):
-            shown = OmegaConf.to_container(o) if isinstance(o, ListConfig) else o
-            return f"{prefix}{k}", str(shown)
-        if isinstance(b, DictConfig):
-            found = _section_given_a_value(b, o, f"{prefix}{k}.")
-            if found:
-                return found
-    return None
-
-
-def _container_clash(base: DictConfig, other: DictConfig, prefix: str = "") -> Optional[tuple[str, bool]]:
-    """The first key where ``other`` gives a list for a mapping of ``base`` or the reverse:
-    ``(dotted key, whether base has a mapping)``, or None."""
+def _pairs(base: DictConfig, other: DictConfig, prefix: str = ""):
+    """``(dotted key, base's value, other's value)`` for each key both hold, depth first, going
+    into the sections both hold as sections instead of yielding them."""
     for k in other:
         try:
             if k not in base:
@@ -882,12 +862,27 @@ def _container_clash(base: DictConfig, other: DictConfig, prefix: str = "") -> O
         except OmegaConfBaseException:
             continue
         if isinstance(b, DictConfig) and isinstance(o, DictConfig):
-            found = _container_clash(b, o, f"{prefix}{k}.")
-            if found:
-                return found
-        elif isinstance(b, (DictConfig, ListConfig)) and isinstance(o, (DictConfig, ListConfig)) and \
+            yield from _pairs(b, o, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", b, o
+
+
+def _section_given_a_value(base: DictConfig, other: DictConfig) -> Optional[tuple[str, str]]:
+    """The first key that is a section in ``base`` and a value (not a mapping) in ``other``:
+    ``(dotted key, the value as YAML writes it)``, or None."""
+    for key, b, o in _pairs(base, other):
+        if isinstance(b, DictConfig):
+            return key, str(OmegaConf.to_container(o) if isinstance(o, ListConfig) else o)
+    return None
+
+
+def _container_clash(base: DictConfig, other: DictConfig) -> Optional[tuple[str, bool]]:
+    """The first key where ``other`` gives a list for a mapping of ``base`` or the reverse:
+    ``(dotted key, whether base has a mapping)``, or None."""
+    for key, b, o in _pairs(base, other):
+        if isinstance(b, (DictConfig, ListConfig)) and isinstance(o, (DictConfig, ListConfig)) and \
                 isinstance(b, DictConfig) != isinstance(o, DictConfig):
-            return f"{prefix}{k}", isinstance(b, DictConfig)
+            return key, isinstance(b, DictConfig)
     return None
 
 

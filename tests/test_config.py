@@ -65,15 +65,19 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(str(listed))
 
 
+@dataclass
+class ModelCfg:
+    """A recipe's own config section (the schema extensions below)."""
+
+    width: int = 8
+
+
+@dataclass
+class MyConfig(ddptrain.Config):
+    model: ModelCfg = field(default_factory=ModelCfg)
+
+
 def test_user_schema_extension():
-    @dataclass
-    class ModelCfg:
-        width: int = 8
-
-    @dataclass
-    class MyConfig(ddptrain.Config):
-        model: ModelCfg = field(default_factory=ModelCfg)
-
     cfg = load_config(None, ["model.width=16"], schema=MyConfig)
     assert cfg.model.width == 16 and cfg.optim.name == "adamw"
     with pytest.raises(ConfigError, match="model.depth"):
@@ -413,14 +417,6 @@ def _with(obj, **attrs):
 
 
 def test_a_recipes_own_sections_are_checked_for_typos_too():
-    @dataclass
-    class ModelCfg:
-        width: int = 8
-
-    @dataclass
-    class MyConfig(ddptrain.Config):
-        model: ModelCfg = field(default_factory=ModelCfg)
-
     from ddptrain.config import check_config
 
     cfg = load_config(None, ["model.width=16"], schema=MyConfig)
